@@ -1,0 +1,68 @@
+"""gep-fed: federated training with Gradient Embedding Perturbation differential privacy.
+
+The library layer: plain PyTorch, numpy and dp-accounting, no Flower. See ``GEPStep`` for the
+single-machine API and ``gep_fed.mechanisms`` for the three separable calls (clipped sums,
+add noise, reconstruct) that the federated modes distribute.
+"""
+
+from gep_fed.accounting import (
+    ImpossibleTargetError,
+    PrivacyEvent,
+    calibrate_noise_multiplier,
+    epsilon_pld,
+    epsilon_rdp,
+)
+from gep_fed.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.config import ConfigError, GEPConfig
+from gep_fed.groups import ParameterGroup, ParameterLayout
+from gep_fed.ledger import BudgetExceededError, LedgerError, PrivacyLedger
+from gep_fed.mechanisms import BGEP, GEP, GP, ClippedSums, Mechanism, NonFiniteGradientError
+from gep_fed.models import MLP, MnistCNN, resnet20_gn
+from gep_fed.noise import NoiseSource
+from gep_fed.per_example import (
+    IncompatibleModelError,
+    batchnorm_to_groupnorm,
+    per_example_gradients,
+    validate_model,
+)
+from gep_fed.sampling import PoissonSampler
+from gep_fed.step import GEPStep, make_mechanism, write_gradient
+from gep_fed.subspace import AnchorSubspace, power_method_subspace
+
+__all__ = [
+    "BGEP",
+    "GEP",
+    "GP",
+    "MLP",
+    "AnchorResult",
+    "AnchorSubspace",
+    "BudgetExceededError",
+    "ClippedSums",
+    "ConfigError",
+    "GEPConfig",
+    "GEPStep",
+    "ImpossibleTargetError",
+    "IncompatibleModelError",
+    "LedgerError",
+    "Mechanism",
+    "MnistCNN",
+    "NoiseSource",
+    "NonFiniteGradientError",
+    "ParameterGroup",
+    "ParameterLayout",
+    "PoissonSampler",
+    "PrivacyEvent",
+    "PrivacyLedger",
+    "batchnorm_to_groupnorm",
+    "calibrate_noise_multiplier",
+    "compute_anchor_subspace",
+    "epsilon_pld",
+    "epsilon_rdp",
+    "make_mechanism",
+    "per_example_gradients",
+    "power_method_subspace",
+    "resnet20_gn",
+    "validate_model",
+    "write_gradient",
+]
+__version__ = "0.1.0"

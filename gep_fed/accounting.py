@@ -1,0 +1,191 @@
+"""Privacy accounting with Google's ``dp-accounting``: events, epsilon, calibration.
+
+Every release is a ``PrivacyEvent``: ``steps`` releases of a Gaussian mechanism, each on a
+Poisson sample of rate ``sample_rate``. GEP releases two clipped vectors per step and counts as
+noise multiplier ``sigma / sqrt(2)``; B-GEP and GP as ``sigma``. Adjacency: add or remove one
+example. Epsilon comes from RDP (Mironov et al. 2019) or, tighter, from privacy loss
+distributions (PLD); both are the library's, not formulas of ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+
+import dp_accounting
+from dp_accounting import pld, rdp
+
+# dp-accounting logs a warning for each fractional RDP order whose series does not converge
+# and then excludes that order: the result is still a valid bound, so the noise is dropped.
+logging.getLogger("absl").addFilter(lambda record: "failed to converge" not in record.getMessage())
+
+# dp-accounting's default orders (1.1 to 10.9 by 0.1, 11 to 63, 128 to 1024): a superset of
+# Opacus' RDP orders, with high orders for small epsilons after many steps.
+RDP_ORDERS: tuple[float, ...] = tuple(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+PLD_DISCRETIZATION = 1e-4
+MIN_NOISE_MULTIPLIER = 1e-3
+MAX_NOISE_MULTIPLIER = 1e4
+
+MECHANISM_RELEASES = {"gep": 2, "bgep": 1, "gp": 1}
+
+
+class ImpossibleTargetError(ValueError):
+    """No noise multiplier in the searched range reaches the requested (epsilon, delta)."""
+
+
+@dataclass(frozen=True)
+class PrivacyEvent:
+    """``steps`` Poisson-subsampled Gaussian releases with the same parameters.
+
+    Attributes:
+        mechanism: "gep", "bgep", "gp" or "langevin" (what was released).
+        noise_multiplier: the configured sigma (noise std divided by the clip norm).
+        sample_rate: q, each example's independent chance to be in a step's batch
+            (1.0 for full-batch or deterministic use).
+        steps: how many such releases.
+        accounting_noise_multiplier: the sigma of the equivalent sensitivity-1 Gaussian
+            mechanism (GEP: sigma / sqrt(2)); this is what enters the accountant.
+        party: who released (a site id, or "server" in central mode).
+        round: the federated round, if any.
+    """
+
+    mechanism: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int = 1
+    accounting_noise_multiplier: float | None = None
+    party: str = ""
+    round: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.accounting_noise_multiplier is None:
+            if self.mechanism not in MECHANISM_RELEASES:
+                raise ValueError(
+                    f"mechanism {self.mechanism!r} needs an explicit accounting_noise_multiplier"
+                )
+            releases = MECHANISM_RELEASES[self.mechanism]
+            object.__setattr__(
+                self, "accounting_noise_multiplier", self.noise_multiplier / math.sqrt(releases)
+            )
+        if not (0 < self.sample_rate <= 1):
+            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(
+                f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}"
+            )
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+
+    def dp_event(self) -> dp_accounting.DpEvent:
+        if self.accounting_noise_multiplier == 0:
+            return dp_accounting.NonPrivateDpEvent()
+        gaussian = dp_accounting.GaussianDpEvent(self.accounting_noise_multiplier)
+        single = (
+            gaussian
+            if self.sample_rate == 1
+            else dp_accounting.PoissonSampledDpEvent(self.sample_rate, gaussian)
+        )
+        return dp_accounting.SelfComposedDpEvent(single, self.steps)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PrivacyEvent:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown privacy event fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+def _merged(events: Iterable[PrivacyEvent]) -> list[tuple[float, float, int]]:
+    """(accounting sigma, q, steps), consecutive equal releases merged (faster PLD)."""
+    merged: list[tuple[float, float, int]] = []
+    for e in events:
+        key = (e.accounting_noise_multiplier, e.sample_rate)
+        if merged and merged[-1][:2] == key:
+            merged[-1] = (*key, merged[-1][2] + e.steps)
+        else:
+            merged.append((*key, e.steps))
+    return merged
+
+
+def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
+    parts = [PrivacyEvent("gp", sigma, q, steps).dp_event() for sigma, q, steps in _merged(events)]
+    return dp_accounting.ComposedDpEvent(parts)
+
+
+def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
+    """Epsilon at ``delta`` of the composition of ``events`` by RDP accounting."""
+    _check_delta(delta)
+    if not events:
+        return 0.0
+    accountant = rdp.RdpAccountant(RDP_ORDERS)
+    return float(accountant.compose(compose(events)).get_epsilon(delta))
+
+
+def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
+    """Epsilon at ``delta`` by privacy loss distributions (tighter than RDP)."""
+    _check_delta(delta)
+    if not events:
+        return 0.0
+    accountant = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    return float(accountant.compose(compose(events)).get_epsilon(delta))
+
+
+def _check_delta(delta: float) -> None:
+    if not (0 < delta < 1):
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    mechanism: str = "gep",
+    tol: float = 1e-4,
+) -> float:
+    """The smallest sigma (up to ``tol``) whose RDP epsilon after ``steps`` is <= target.
+
+    ``sigma`` is the mechanism's own noise multiplier (for GEP, before the sqrt(2) of the two
+    releases). Raises ``ImpossibleTargetError`` when even sigma = 1e4 does not reach the target
+    (RDP conversion has a floor that grows with steps), instead of silently capping.
+    """
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
+    _check_delta(delta)
+    if mechanism not in MECHANISM_RELEASES:
+        raise ValueError(
+            f"mechanism must be one of {sorted(MECHANISM_RELEASES)}, got {mechanism!r}"
+        )
+
+    def eps(sigma: float) -> float:
+        return epsilon_rdp([PrivacyEvent(mechanism, sigma, sample_rate, steps)], delta)
+
+    best = eps(MAX_NOISE_MULTIPLIER)
+    if best > target_epsilon:
+        raise ImpossibleTargetError(
+            f"epsilon={target_epsilon} at delta={delta} is out of reach for {steps} steps at "
+            f"sample rate {sample_rate}: even sigma={MAX_NOISE_MULTIPLIER:g} gives epsilon="
+            f"{best:.4g}. Raise the target epsilon or delta, or take fewer steps."
+        )
+    if eps(MIN_NOISE_MULTIPLIER) <= target_epsilon:
+        return MIN_NOISE_MULTIPLIER
+    sigma = dp_accounting.calibrate_dp_mechanism(
+        lambda: rdp.RdpAccountant(RDP_ORDERS),
+        lambda s: PrivacyEvent(mechanism, s, sample_rate, steps).dp_event(),
+        target_epsilon,
+        delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(
+            MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER
+        ),
+        tol=tol,
+    )
+    # Brent's root may sit a hair on the wrong side of the target: step up until it meets it.
+    while eps(sigma) > target_epsilon:
+        sigma += tol
+    return float(sigma)

@@ -1,0 +1,154 @@
+"""Computing the anchor subspace from public data at the current parameters.
+
+Public examples get fresh random labels at each computation (the paper's choice: true labels
+make the subspace overfit the auxiliary set). Nothing here touches private data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gep_fed.config import GEPConfig
+from gep_fed.groups import ParameterLayout
+from gep_fed.per_example import LossFn, per_example_gradients
+from gep_fed.subspace import AnchorSubspace, power_method_subspace
+
+
+@dataclass(frozen=True)
+class AnchorResult:
+    """A computed subspace and what was measured on the anchors along the way.
+
+    Attributes:
+        subspace: the per-group orthonormal bases.
+        projection_error: ``sum ||r||^2 / sum ||g||^2`` on the anchors (None if not measured).
+        clip_embedding, clip_residual: the ``clip_quantile`` quantiles of the anchors'
+            embedding and residual norms (None unless requested).
+        seconds: wall time of the computation.
+    """
+
+    subspace: AnchorSubspace
+    projection_error: float | None
+    clip_embedding: float | None
+    clip_residual: float | None
+    seconds: float
+
+
+class _AnchorGradients:
+    """Anchor-gradient chunks, cached in memory when they fit, else recomputed per pass."""
+
+    def __init__(self, model, loss_fn, inputs, labels, layout, max_chunk, cache_bytes):
+        self._args = (model, loss_fn, layout)
+        self._inputs, self._labels, self._max_chunk = inputs, labels, max_chunk
+        self._cache: list[torch.Tensor] | None = (
+            [] if inputs.shape[0] * layout.size * 4 <= cache_bytes else None
+        )
+        self._complete = False
+
+    def __call__(self) -> Iterator[torch.Tensor]:
+        if self._complete:
+            yield from self._cache
+            return
+        model, loss_fn, layout = self._args
+        for start in range(0, self._inputs.shape[0], self._max_chunk):
+            stop = start + self._max_chunk
+            chunk = per_example_gradients(
+                model,
+                loss_fn,
+                self._inputs[start:stop],
+                self._labels[start:stop],
+                layout,
+                self._max_chunk,
+            )
+            if self._cache is not None:
+                self._cache.append(chunk)
+            yield chunk
+        self._complete = self._cache is not None
+
+
+def infer_num_classes(model: nn.Module, example: torch.Tensor) -> int:
+    """The width of the model's output for one example (for drawing random labels)."""
+    with torch.no_grad():
+        out = model(example[:1])
+    if out.ndim != 2:
+        raise ValueError(
+            f"the model's output for one example has shape {tuple(out.shape)}; random anchor "
+            "labels need a (batch, classes) output, or pass num_classes"
+        )
+    return int(out.shape[1])
+
+
+def compute_anchor_subspace(
+    model: nn.Module,
+    public_inputs: torch.Tensor,
+    layout: ParameterLayout,
+    config: GEPConfig,
+    *,
+    loss_fn: LossFn,
+    num_classes: int | None = None,
+    public_labels: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    measure: bool = False,
+) -> AnchorResult:
+    """The anchor subspace of ``model`` at its current parameters.
+
+    Args:
+        public_inputs: the public (non-sensitive) examples, on the model's device.
+        config: k, m, t, labels and chunking (see ``GEPConfig``).
+        num_classes: for random labels (inferred from the model's output if None).
+        public_labels: required when ``config.anchor_labels == "true"``.
+        generator: public randomness for the anchor subset, labels and power-method start.
+        measure: also measure the projection error (and, if ``config.clip_quantile`` is set,
+            the clip norms) on the anchors: one more pass over their gradients.
+    """
+    began = time.perf_counter()
+    device = next(model.parameters()).device
+    m_total = public_inputs.shape[0]
+    if m_total == 0:
+        raise ValueError("the public (anchor) data set is empty")
+    m = m_total if config.num_anchors is None else min(config.num_anchors, m_total)
+    pick = torch.randperm(m_total, generator=generator)[:m] if m < m_total else torch.arange(m)
+    inputs = public_inputs[pick.to(public_inputs.device)]
+    if config.anchor_labels == "true":
+        if public_labels is None:
+            raise ValueError("anchor_labels='true' needs the public data's labels")
+        labels = public_labels[pick.to(public_labels.device)]
+    else:
+        classes = num_classes or infer_num_classes(model, inputs)
+        labels = torch.randint(classes, (m,), generator=generator)
+    labels = labels.to(device)
+    grads = _AnchorGradients(
+        model,
+        loss_fn,
+        inputs.to(device),
+        labels,
+        layout,
+        config.max_chunk,
+        config.anchor_cache_mb * 2**20,
+    )
+    dims = layout.allocate_basis(config.num_basis, max_rank=m)
+    subspace = power_method_subspace(
+        grads, layout, dims, config.power_iterations, generator=generator, device=device
+    )
+    projection_error = clip_e = clip_r = None
+    if measure or config.clip_quantile is not None:
+        g2, w2 = [], []
+        for chunk in grads():
+            g2.append(torch.linalg.vector_norm(chunk, dim=1, dtype=torch.float64) ** 2)
+            emb = subspace.embed(chunk)
+            w2.append(torch.linalg.vector_norm(emb, dim=1, dtype=torch.float64) ** 2)
+        g2, w2 = torch.cat(g2), torch.cat(w2)
+        r2 = (g2 - w2).clamp_min(0)
+        total = float(g2.sum())
+        projection_error = float(r2.sum()) / total if total > 0 else 0.0
+        if config.clip_quantile is not None:
+            clip_e = float(torch.quantile(w2.sqrt(), config.clip_quantile))
+            clip_r = float(torch.quantile(r2.sqrt(), config.clip_quantile))
+            # A zero quantile (e.g. all-zero anchor gradients) cannot serve as a clip norm.
+            tiny = 1e-6
+            clip_e, clip_r = max(clip_e, tiny), max(clip_r, tiny)
+    return AnchorResult(subspace, projection_error, clip_e, clip_r, time.perf_counter() - began)

@@ -1,0 +1,204 @@
+"""``PrivacyLedger``: the append-only record of every accounted release, with its budget.
+
+Saved as JSON with a checksum, written atomically (write, fsync, rename), so a crash leaves
+either the old or the new file and a damaged file is refused rather than read as "nothing
+spent". Epsilon is always recomputed from the events by ``dp-accounting``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from gep_fed.accounting import PrivacyEvent, epsilon_pld, epsilon_rdp
+
+FORMAT = "gep-fed-ledger/1"
+
+
+class LedgerError(ValueError):
+    """A ledger file is missing pieces, damaged, or does not match what the caller expects."""
+
+
+class BudgetExceededError(RuntimeError):
+    """Recording the requested releases would spend more than the privacy budget."""
+
+
+class PrivacyLedger:
+    """Every release one party made, composed into (epsilon, delta).
+
+    Args:
+        delta: the delta at which epsilon is reported and the budget enforced.
+        budget_epsilon: refuse releases that would bring epsilon above this (None: no limit).
+        owner: whose releases these are (a site id, or "federation" for central mode).
+        path: where ``record`` saves after each event (None: in memory only).
+    """
+
+    def __init__(
+        self,
+        delta: float,
+        budget_epsilon: float | None = None,
+        owner: str = "",
+        path: str | Path | None = None,
+        events: Sequence[PrivacyEvent] = (),
+    ) -> None:
+        if not (0 < delta < 1):
+            raise ValueError(f"ledger delta must be in (0, 1), got {delta}")
+        if budget_epsilon is not None and not (budget_epsilon > 0):
+            raise ValueError(f"budget_epsilon must be > 0, got {budget_epsilon}")
+        self.delta = float(delta)
+        self.budget_epsilon = None if budget_epsilon is None else float(budget_epsilon)
+        self.owner = owner
+        self.path = None if path is None else Path(path)
+        self._events: list[PrivacyEvent] = list(events)
+
+    @property
+    def events(self) -> tuple[PrivacyEvent, ...]:
+        return tuple(self._events)
+
+    @property
+    def steps(self) -> int:
+        return sum(e.steps for e in self._events)
+
+    def epsilon(self, accountant: str = "rdp") -> float:
+        """Epsilon spent so far at ``self.delta`` ("rdp" or "pld")."""
+        return _EPSILON[accountant](self._events, self.delta)
+
+    def epsilon_after(self, new_events: Sequence[PrivacyEvent]) -> float:
+        """The RDP epsilon if ``new_events`` were recorded too."""
+        return epsilon_rdp([*self._events, *new_events], self.delta)
+
+    def remaining(self) -> float:
+        """Budget left in epsilon (inf without a budget)."""
+        if self.budget_epsilon is None:
+            return math.inf
+        return max(0.0, self.budget_epsilon - self.epsilon())
+
+    def check_budget(self, new_events: Sequence[PrivacyEvent]) -> None:
+        """Raise ``BudgetExceededError`` if ``new_events`` would overspend the budget."""
+        if self.budget_epsilon is None:
+            return
+        after = self.epsilon_after(new_events)
+        if after > self.budget_epsilon:
+            spent = self.epsilon()
+            raise BudgetExceededError(
+                f"{self.owner or 'ledger'}: {sum(e.steps for e in new_events)} more step(s) "
+                f"would bring epsilon to {after:.4g} > budget {self.budget_epsilon:g} "
+                f"(delta={self.delta:g}); spent so far {spent:.4g} in {self.steps} step(s), "
+                f"{max(0.0, self.budget_epsilon - spent):.4g} left"
+            )
+
+    def record(self, *events: PrivacyEvent) -> None:
+        """Check the budget, append ``events``, and save if the ledger has a path."""
+        self.check_budget(events)
+        self._events.extend(events)
+        if self.path is not None:
+            self.save()
+
+    # -- persistence ---------------------------------------------------------------------
+
+    def _body(self) -> dict:
+        return {
+            "format": FORMAT,
+            "owner": self.owner,
+            "delta": self.delta,
+            "budget_epsilon": self.budget_epsilon,
+            "events": [e.to_dict() for e in self._events],
+        }
+
+    def to_json(self) -> str:
+        body = self._body()
+        body["sha256"] = _digest(body)
+        return json.dumps(body, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "ledger") -> PrivacyLedger:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise LedgerError(
+                f"{source} is not valid JSON ({err}); it may be truncated. It is left untouched: "
+                "restore it from a backup, never start a fresh ledger for a party that already "
+                "released"
+            ) from err
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise LedgerError(f"{source} is not a {FORMAT} file")
+        digest = data.pop("sha256", None)
+        if digest != _digest(data):
+            raise LedgerError(
+                f"{source} fails its checksum: its contents were changed or damaged. It is left "
+                "untouched; restore it from a backup"
+            )
+        try:
+            events = [PrivacyEvent.from_dict(e) for e in data["events"]]
+            return cls(data["delta"], data["budget_epsilon"], data["owner"], events=events)
+        except (KeyError, TypeError, ValueError) as err:
+            raise LedgerError(f"{source} has an invalid entry: {err}") from err
+
+    def save(self, path: str | Path | None = None) -> Path:
+        """Atomically write the ledger (temporary file, fsync, rename)."""
+        target = Path(path) if path is not None else self.path
+        if target is None:
+            raise ValueError("no path to save the ledger to")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(self.to_json())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        return target
+
+    @classmethod
+    def load(cls, path: str | Path) -> PrivacyLedger:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise LedgerError(f"cannot read ledger {path}: {err}") from err
+        ledger = cls.from_json(text, source=f"ledger {path}")
+        ledger.path = path
+        return ledger
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        delta: float,
+        budget_epsilon: float | None = None,
+        owner: str = "",
+    ) -> PrivacyLedger:
+        """Load the ledger at ``path``, or start an empty one there if no file exists.
+
+        An existing file must have the same delta; its budget is replaced by
+        ``budget_epsilon`` (the owner's current choice).
+        """
+        path = Path(path)
+        if not path.exists():
+            ledger = cls(delta, budget_epsilon, owner, path)
+            ledger.save()
+            return ledger
+        ledger = cls.load(path)
+        if not math.isclose(ledger.delta, delta, rel_tol=0, abs_tol=0):
+            raise LedgerError(
+                f"ledger {path} accounts at delta={ledger.delta:g}, but delta={delta:g} was "
+                "requested; use the same delta for one party's whole history"
+            )
+        ledger.budget_epsilon = budget_epsilon
+        return ledger
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyLedger(owner={self.owner!r}, steps={self.steps}, "
+            f"epsilon={self.epsilon():.4g}, delta={self.delta:g}, budget={self.budget_epsilon})"
+        )
+
+
+_EPSILON = {"rdp": epsilon_rdp, "pld": epsilon_pld}
+
+
+def _digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,291 @@
+"""GEP, B-GEP and GP (DP-SGD) behind one interface of three separate calls.
+
+``clipped_sums`` (on the site holding the data), ``add_noise`` (on the site in client-side
+mode, on the trusted server in central mode) and ``reconstruct`` (post-processing) are
+separate so that the federated modes can run them on different machines.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from gep_fed.noise import NoiseSource
+from gep_fed.subspace import AnchorSubspace
+
+# Unit roundoff of float32. The embedding ``G B`` is computed in float32; each entry's rounding
+# error is modelled as at most SAFETY * u * sqrt(p_g) * ||g_g|| (random-walk growth of rounding
+# errors in a length-p_g dot product, with a wide safety factor). The residual-norm bound adds
+# the resulting slack so that rounding can only make clipping stricter, never looser.
+_U32 = 2.0**-24
+_ROUNDING_SAFETY = 16.0
+
+
+class NonFiniteGradientError(ValueError):
+    """A per-example gradient holds NaN or inf; clipping cannot bound such an example."""
+
+
+@dataclass(frozen=True)
+class ClippedSums:
+    """One party's contribution to one step: sums of clipped per-example vectors.
+
+    Before ``add_noise`` these are *not* private (``noised`` is False) and must not leave a
+    trusted boundary. The true number of examples is deliberately absent: it is private.
+
+    Attributes:
+        embedding: ``(k,)`` sum of clipped embeddings (GEP, B-GEP), else None.
+        residual: ``(p,)`` sum of clipped residuals (GEP) or clipped gradients (GP), else None.
+        noised: whether calibrated Gaussian noise has been added.
+    """
+
+    embedding: torch.Tensor | None
+    residual: torch.Tensor | None
+    noised: bool = False
+
+    def __add__(self, other: ClippedSums) -> ClippedSums:
+        if self.noised != other.noised:
+            raise ValueError("cannot add noised and unnoised sums")
+        return ClippedSums(
+            _add(self.embedding, other.embedding), _add(self.residual, other.residual), self.noised
+        )
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    if (a is None) != (b is None):
+        raise ValueError("cannot add sums of different mechanisms")
+    return None if a is None else a + b
+
+
+@dataclass(frozen=True)
+class PerExampleClipping:
+    """What ``clipped_sums`` did to each example (for tests and diagnostics; never released).
+
+    ``embedding`` is the ``(n, k)`` embedding actually used; ``embedding_scale`` and
+    ``residual_scale`` the clip factors applied to the embedding and to the residual
+    ``g_i - lift(embedding_i)`` (or to ``g_i`` itself for GP).
+    """
+
+    embedding: torch.Tensor | None
+    embedding_scale: torch.Tensor | None
+    residual_scale: torch.Tensor | None
+
+
+class Mechanism(ABC):
+    """A private gradient estimator: clip per example, sum, add noise, reconstruct."""
+
+    name: str
+    uses_subspace: bool
+
+    @abstractmethod
+    def clip(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> PerExampleClipping:
+        """Clip factors for each row of ``grads`` (no sums)."""
+
+    @abstractmethod
+    def sums(
+        self, grads: torch.Tensor, subspace: AnchorSubspace | None, clipping: PerExampleClipping
+    ) -> ClippedSums:
+        """Sum the clipped contributions described by ``clipping``."""
+
+    @abstractmethod
+    def noise_stds(self, noise_multiplier: float) -> tuple[float | None, float | None]:
+        """Standard deviations of the noise on (embedding, residual)."""
+
+    @property
+    @abstractmethod
+    def releases(self) -> int:
+        """How many clipped vectors one step releases (GEP: two)."""
+
+    def accounting_noise_multiplier(self, noise_multiplier: float) -> float:
+        """The noise multiplier of the equivalent single Gaussian mechanism of sensitivity 1.
+
+        Releasing ``r`` vectors each clipped to ``S_j`` with noise ``sigma * S_j`` is one Gaussian
+        mechanism on the concatenation of ``x_j / S_j``, of L2 sensitivity ``sqrt(r)``.
+        """
+        return noise_multiplier / math.sqrt(self.releases)
+
+    def clipped_sums(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> ClippedSums:
+        """Clip each row of ``grads`` (a ``(n, p)`` matrix, ``n`` may be 0) and sum."""
+        if grads.ndim != 2:
+            raise ValueError(
+                f"expected a (n, p) matrix of per-example gradients, got {grads.shape}"
+            )
+        if self.uses_subspace and subspace is None:
+            raise ValueError(f"{self.name} needs an anchor subspace")
+        if subspace is not None and grads.shape[1] != subspace.layout.size:
+            raise ValueError(
+                f"gradients have {grads.shape[1]} columns, layout has {subspace.layout.size}"
+            )
+        if not bool(torch.isfinite(grads).all()):
+            bad = int((~torch.isfinite(grads)).any(dim=1).sum())
+            raise NonFiniteGradientError(
+                f"{bad} example(s) have non-finite gradients (NaN or inf); check the inputs and "
+                "the loss for overflow, e.g. lower the learning rate"
+            )
+        return self.sums(grads, subspace, self.clip(grads, subspace))
+
+    def add_noise(
+        self, sums: ClippedSums, noise_multiplier: float, noise: NoiseSource
+    ) -> ClippedSums:
+        """Add ``N(0, (noise_multiplier * S)^2)`` per coordinate to each released sum."""
+        if sums.noised:
+            raise ValueError("these sums are already noised")
+        if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
+            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
+        std_e, std_r = self.noise_stds(noise_multiplier)
+        emb, res = sums.embedding, sums.residual
+        if emb is not None:
+            emb = emb + noise.gaussian(emb, std_e)
+        if res is not None:
+            res = res + noise.gaussian(res, std_r)
+        return ClippedSums(emb, res, noised=True)
+
+    def reconstruct(
+        self, sums: ClippedSums, subspace: AnchorSubspace | None, expected_batch_size: float
+    ) -> torch.Tensor:
+        """The gradient estimate ``(lift(embedding) + residual) / (q n)`` as a ``(p,)`` vector.
+
+        Divides by the *expected* batch size ``q n``: the actual count is private.
+        """
+        if expected_batch_size <= 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        total = None
+        if sums.embedding is not None:
+            total = subspace.lift(sums.embedding.to(subspace.bases[0].dtype))
+        if sums.residual is not None:
+            total = sums.residual.to(torch.float32) if total is None else total + sums.residual
+        return total / expected_batch_size
+
+
+def _scale(norms: torch.Tensor, bound: float) -> torch.Tensor:
+    """``min(1, bound / norm)``, with zero vectors left unscaled."""
+    return (bound / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp_max(1.0)
+
+
+def _check_bound(name: str, value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class GEP(Mechanism):
+    """Gradient Embedding Perturbation: embedding and residual clipped and noised separately.
+
+    Args:
+        clip_embedding: S1, the bound on each example's embedding norm; the embedding noise
+            has standard deviation ``sigma * S1``.
+        clip_residual: S2, the bound on each example's residual norm; the residual noise has
+            standard deviation ``sigma * S2``. Accounted as one Gaussian mechanism with noise
+            multiplier ``sigma / sqrt(2)``.
+    """
+
+    clip_embedding: float
+    clip_residual: float
+    name = "gep"
+    uses_subspace = True
+
+    def __post_init__(self) -> None:
+        _check_bound("clip_embedding (S1)", self.clip_embedding)
+        _check_bound("clip_residual (S2)", self.clip_residual)
+
+    @property
+    def releases(self) -> int:
+        return 2
+
+    def noise_stds(self, noise_multiplier):
+        return noise_multiplier * self.clip_embedding, noise_multiplier * self.clip_residual
+
+    def clip(self, grads, subspace):
+        emb = subspace.embed(grads)
+        emb_norm2 = torch.linalg.vector_norm(emb, dim=1, dtype=torch.float64) ** 2
+        grad_norm2 = grads.new_zeros(grads.shape[0], dtype=torch.float64)
+        slack = torch.zeros_like(grad_norm2)
+        # Fused residual norm: ||g - B w||^2 = ||g||^2 - ||w||^2 for orthonormal B, no (n, p)
+        # residual matrix. The terms below bound what float rounding and a not exactly
+        # orthonormal B can add, so the estimate is an upper bound on the true residual norm.
+        for (cols, ks), basis in zip(subspace.group_slices(), subspace.bases, strict=True):
+            g2 = torch.linalg.vector_norm(grads[:, cols], dim=1, dtype=torch.float64) ** 2
+            grad_norm2 += g2
+            err = _ROUNDING_SAFETY * _U32 * math.sqrt(basis.shape[0] * basis.shape[1])
+            w_norm = torch.linalg.vector_norm(emb[:, ks], dim=1, dtype=torch.float64)
+            slack += 2.0 * w_norm * err * g2.sqrt()
+        ortho = subspace.orthonormality_error
+        resid2 = (grad_norm2 - emb_norm2).clamp_min(0) + ortho * emb_norm2 + slack
+        resid2 += 4 * torch.finfo(torch.float64).eps * grad_norm2
+        return PerExampleClipping(
+            embedding=emb,
+            embedding_scale=_scale(emb_norm2.sqrt(), self.clip_embedding).to(grads.dtype),
+            residual_scale=_scale(resid2.sqrt(), self.clip_residual).to(grads.dtype),
+        )
+
+    def sums(self, grads, subspace, clipping):
+        s1, s2, emb = clipping.embedding_scale, clipping.residual_scale, clipping.embedding
+        # sum_i s2_i (g_i - B w_i) = G^T s2 - B (W^T s2)
+        residual = grads.T @ s2 - subspace.lift(emb.T @ s2)
+        return ClippedSums(embedding=emb.T @ s1, residual=residual)
+
+
+@dataclass(frozen=True)
+class BGEP(Mechanism):
+    """B-GEP: releases only the clipped, noised embedding (k numbers); biased, cheap to send.
+
+    Args:
+        clip_embedding: S1, the bound on each embedding's norm; noise ``sigma * S1``,
+            accounted with noise multiplier ``sigma``. The residual is never computed.
+    """
+
+    clip_embedding: float
+    name = "bgep"
+    uses_subspace = True
+
+    def __post_init__(self) -> None:
+        _check_bound("clip_embedding (S1)", self.clip_embedding)
+
+    @property
+    def releases(self) -> int:
+        return 1
+
+    def noise_stds(self, noise_multiplier):
+        return noise_multiplier * self.clip_embedding, None
+
+    def clip(self, grads, subspace):
+        emb = subspace.embed(grads)
+        norms = torch.linalg.vector_norm(emb, dim=1, dtype=torch.float64)
+        return PerExampleClipping(emb, _scale(norms, self.clip_embedding).to(grads.dtype), None)
+
+    def sums(self, grads, subspace, clipping):
+        return ClippedSums(embedding=clipping.embedding.T @ clipping.embedding_scale, residual=None)
+
+
+@dataclass(frozen=True)
+class GP(Mechanism):
+    """Gradient perturbation (DP-SGD, Abadi et al. 2016): clip each gradient, add noise.
+
+    Args:
+        clip: S, the bound on each example's gradient norm; noise ``sigma * S``, accounted
+            with noise multiplier ``sigma``.
+    """
+
+    clip_norm: float
+    name = "gp"
+    uses_subspace = False
+
+    def __post_init__(self) -> None:
+        _check_bound("clip_norm (S)", self.clip_norm)
+
+    @property
+    def releases(self) -> int:
+        return 1
+
+    def noise_stds(self, noise_multiplier):
+        return None, noise_multiplier * self.clip_norm
+
+    def clip(self, grads, subspace):
+        norms = torch.linalg.vector_norm(grads, dim=1, dtype=torch.float64)
+        return PerExampleClipping(None, None, _scale(norms, self.clip_norm).to(grads.dtype))
+
+    def sums(self, grads, subspace, clipping):
+        return ClippedSums(embedding=None, residual=grads.T @ clipping.residual_scale)

@@ -1,0 +1,177 @@
+"""``GEPStep``: a private gradient step in the shape of a PyTorch training loop.
+
+    step = GEPStep(model, public_inputs, config, dataset_size=len(train))
+    for idx in PoissonSampler(len(train), config.sample_rate):
+        optimizer.zero_grad()
+        step(x[idx], y[idx])      # fills every parameter's .grad with the private estimate
+        optimizer.step()
+    print(step.ledger.epsilon())
+
+Each call is one accounted release in ``step.ledger``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gep_fed.accounting import PrivacyEvent
+from gep_fed.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.config import GEPConfig
+from gep_fed.groups import ParameterLayout
+from gep_fed.ledger import PrivacyLedger
+from gep_fed.mechanisms import BGEP, GEP, GP, ClippedSums, Mechanism
+from gep_fed.noise import NoiseSource
+from gep_fed.per_example import LossFn, per_example_gradients, validate_model
+from gep_fed.subspace import AnchorSubspace
+
+
+def make_mechanism(
+    config: GEPConfig, clip_embedding: float | None = None, clip_residual: float | None = None
+) -> Mechanism:
+    """The mechanism ``config`` names, with the given (e.g. anchor-derived) clip norms."""
+    s1 = clip_embedding if clip_embedding is not None else config.clip_embedding
+    s2 = clip_residual if clip_residual is not None else config.clip_residual
+    if config.mechanism == "gep":
+        return GEP(s1, s2)
+    if config.mechanism == "bgep":
+        return BGEP(s1)
+    return GP(config.clip_norm)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did. Local diagnostics: nothing here is released or accounted."""
+
+    refreshed: AnchorResult | None
+    mechanism: Mechanism
+
+
+class GEPStep:
+    """Computes a private gradient estimate and writes it into the model's ``.grad``.
+
+    Args:
+        model: any ``nn.Module`` whose forward treats examples independently (no BatchNorm).
+        public_inputs: public, non-sensitive examples for the anchor subspace (ignored for GP;
+            may be None when the subspace is supplied with ``set_subspace``).
+        config: mechanism, noise and clipping (see ``GEPConfig``).
+        dataset_size: n, the number of private examples; the estimate divides by ``q n``.
+        loss_fn: per-batch loss ``loss_fn(outputs, targets)``; cross-entropy by default.
+        public_labels: the public data's labels, for ``anchor_labels="true"``.
+        noise: source of the Gaussian noise (default: cryptographically seeded).
+        ledger: where each step is recorded (default: a new in-memory ledger at delta 1e-5).
+        generator: public randomness (anchor subset, random labels, power-method start).
+        party: recorded with each event (e.g. a site id).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        public_inputs: torch.Tensor | None,
+        config: GEPConfig,
+        *,
+        dataset_size: int,
+        loss_fn: LossFn = F.cross_entropy,
+        public_labels: torch.Tensor | None = None,
+        noise: NoiseSource | None = None,
+        ledger: PrivacyLedger | None = None,
+        generator: torch.Generator | None = None,
+        party: str = "",
+    ) -> None:
+        validate_model(model)
+        if dataset_size < 1:
+            raise ValueError(f"dataset_size must be >= 1, got {dataset_size}")
+        self.model = model
+        self.config = config
+        self.dataset_size = dataset_size
+        self.loss_fn = loss_fn
+        self.public_inputs = public_inputs
+        self.public_labels = public_labels
+        self.noise = noise if noise is not None else NoiseSource()
+        self.ledger = ledger if ledger is not None else PrivacyLedger(delta=1e-5)
+        self.generator = generator
+        self.party = party
+        self.layout = ParameterLayout.from_model(model, config.groups)
+        self.mechanism = make_mechanism(config)
+        self.subspace: AnchorSubspace | None = None
+        self._steps_since_refresh = 0
+        self._external_subspace = False
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.config.sample_rate * self.dataset_size
+
+    def set_subspace(self, subspace: AnchorSubspace) -> None:
+        """Use ``subspace`` (e.g. received from a server) until the next call of this method."""
+        if subspace.layout.names != self.layout.names:
+            raise ValueError("the subspace's parameter layout does not match the model")
+        self.subspace = subspace.to(next(self.model.parameters()).device)
+        self._external_subspace = True
+
+    def refresh_subspace(self, measure: bool = False) -> AnchorResult:
+        """Recompute the anchor subspace at the current parameters (public data only)."""
+        if self.public_inputs is None:
+            raise ValueError("no public data: pass public_inputs or call set_subspace")
+        result = compute_anchor_subspace(
+            self.model,
+            self.public_inputs,
+            self.layout,
+            self.config,
+            loss_fn=self.loss_fn,
+            public_labels=self.public_labels,
+            generator=self.generator,
+            measure=measure,
+        )
+        self.subspace = result.subspace
+        if self.config.clip_quantile is not None:
+            self.mechanism = make_mechanism(
+                self.config, result.clip_embedding, result.clip_residual
+            )
+        self._steps_since_refresh = 0
+        return result
+
+    def clipped_sums(self, inputs: torch.Tensor, targets: torch.Tensor) -> ClippedSums:
+        """Per-example gradients of a private batch, clipped and summed (not yet private)."""
+        grads = per_example_gradients(
+            self.model, self.loss_fn, inputs, targets, self.layout, self.config.max_chunk
+        )
+        return self.mechanism.clipped_sums(grads, self.subspace)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
+        """One private step on a Poisson-sampled batch (any size, including 0).
+
+        Records the release in the ledger first, so a step that would exceed the ledger's
+        budget raises ``BudgetExceededError`` before anything is computed.
+        """
+        event = PrivacyEvent(
+            self.config.mechanism,
+            self.config.noise_multiplier,
+            self.config.sample_rate,
+            party=self.party,
+        )
+        self.ledger.check_budget([event])
+        refreshed = None
+        needs_basis = self.mechanism.uses_subspace and not self._external_subspace
+        if needs_basis and (
+            self.subspace is None or self._steps_since_refresh >= self.config.basis_refresh
+        ):
+            refreshed = self.refresh_subspace()
+        device = next(self.model.parameters()).device
+        sums = self.clipped_sums(inputs.to(device), targets.to(device))
+        noisy = self.mechanism.add_noise(sums, self.config.noise_multiplier, self.noise)
+        estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
+        write_gradient(self.model, self.layout, estimate)
+        self.ledger.record(event)
+        self._steps_since_refresh += 1
+        return StepReport(refreshed, self.mechanism)
+
+
+def write_gradient(model: nn.Module, layout: ParameterLayout, flat: torch.Tensor) -> None:
+    """Set each parameter's ``.grad`` to its slice of ``flat``."""
+    params = dict(model.named_parameters())
+    for name, value in layout.unflatten(flat).items():
+        p = params[name]
+        p.grad = value.detach().to(dtype=p.dtype).clone()

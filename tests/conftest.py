@@ -1,0 +1,28 @@
+"""Shared fixtures: the real data sets of ../shared/data, skipped with a reason when absent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(
+    os.environ.get("GEP_FED_SHARED_DATA", Path(__file__).parents[1] / ".." / "shared" / "data")
+).resolve()
+
+
+def shared_file(relative: str) -> Path:
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(
+            f"needs the real data file {path} (../shared/data beside the checkout); absent here"
+        )
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

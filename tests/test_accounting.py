@@ -1,0 +1,139 @@
+import math
+
+import pytest
+
+from gep_fed import (
+    BudgetExceededError,
+    ImpossibleTargetError,
+    LedgerError,
+    PrivacyEvent,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    epsilon_pld,
+    epsilon_rdp,
+)
+
+SETTINGS = [(0.01, 1.1, 1000), (0.032, 3.2, 940), (0.1, 0.8, 50)]
+
+
+@pytest.mark.parametrize("q, sigma, steps", SETTINGS)
+def test_rdp_epsilon_matches_opacus_within_one_percent(q, sigma, steps):
+    from opacus.accountants import RDPAccountant
+
+    opacus = RDPAccountant()
+    opacus.history = [(sigma, q, steps)]
+    theirs = opacus.get_epsilon(delta=1e-5)
+    ours = epsilon_rdp([PrivacyEvent("gp", sigma, q, steps)], 1e-5)
+    assert ours == pytest.approx(theirs, rel=0.01)
+
+
+@pytest.mark.parametrize("q, sigma, steps", SETTINGS)
+def test_pld_epsilon_is_at_most_the_rdp_epsilon(q, sigma, steps):
+    events = [PrivacyEvent("gep", sigma, q, steps)]
+    assert epsilon_pld(events, 1e-5) <= epsilon_rdp(events, 1e-5)
+
+
+def test_gep_costs_the_same_as_gp_at_sqrt_two_less_noise():
+    gep = epsilon_rdp([PrivacyEvent("gep", 2.0, 0.05, 100)], 1e-5)
+    gp = epsilon_rdp([PrivacyEvent("gp", 2.0 / math.sqrt(2), 0.05, 100)], 1e-5)
+    assert gep == pytest.approx(gp, rel=1e-12)
+    assert gep > epsilon_rdp([PrivacyEvent("bgep", 2.0, 0.05, 100)], 1e-5)
+
+
+@pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
+@pytest.mark.parametrize("target", [1.0, 2.0, 8.0])
+def test_calibration_returns_the_smallest_sigma_meeting_the_target(mechanism, target):
+    q, steps, delta = 0.02, 500, 1e-5
+    sigma = calibrate_noise_multiplier(target, delta, q, steps, mechanism, tol=1e-4)
+    assert epsilon_rdp([PrivacyEvent(mechanism, sigma, q, steps)], delta) <= target
+    assert epsilon_rdp([PrivacyEvent(mechanism, sigma - 2e-3, q, steps)], delta) > target
+
+
+def test_impossible_target_is_an_error_not_a_silent_cap():
+    with pytest.raises(ImpossibleTargetError, match="out of reach"):
+        calibrate_noise_multiplier(0.01, 1e-5, 1.0, 10_000, "gp")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"target_epsilon": -1}, "target_epsilon"),
+        ({"delta": 1.5}, "delta"),
+        ({"mechanism": "x"}, "mechanism"),
+    ],
+)
+def test_calibration_names_the_bad_argument(kwargs, field):
+    args = {
+        "target_epsilon": 2.0,
+        "delta": 1e-5,
+        "sample_rate": 0.01,
+        "steps": 10,
+        "mechanism": "gp",
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        calibrate_noise_multiplier(**args)
+
+
+def test_composition_merges_equal_events_without_changing_epsilon():
+    many = [PrivacyEvent("gep", 1.5, 0.02, 1, round=r) for r in range(50)]
+    one = [PrivacyEvent("gep", 1.5, 0.02, 50)]
+    assert epsilon_rdp(many, 1e-5) == pytest.approx(epsilon_rdp(one, 1e-5), rel=1e-12)
+    assert epsilon_pld(many, 1e-5) == pytest.approx(epsilon_pld(one, 1e-5), rel=1e-9)
+
+
+def test_ledger_round_trips_exactly(tmp_path):
+    ledger = PrivacyLedger(1e-5, budget_epsilon=80.0, owner="site-1", path=tmp_path / "l.json")
+    for r in range(3):
+        ledger.record(PrivacyEvent("gep", 1.234567890123, 1 / 3, 2, party="site-1", round=r))
+    ledger.record(PrivacyEvent("gp", 0.9, 0.01, 7))
+    back = PrivacyLedger.load(tmp_path / "l.json")
+    assert back.events == ledger.events
+    assert (back.delta, back.budget_epsilon, back.owner) == (1e-5, 80.0, "site-1")
+    assert back.epsilon() == ledger.epsilon()
+    assert back.to_json() == ledger.to_json()
+
+
+def test_a_truncated_ledger_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "l.json"
+    ledger = PrivacyLedger(1e-5, path=path)
+    ledger.record(PrivacyEvent("gep", 1.0, 0.1, 3))
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(LedgerError, match="truncated"):
+        PrivacyLedger.load(path)
+    with pytest.raises(LedgerError):
+        PrivacyLedger.open(path, 1e-5)
+    assert path.read_text() == text[: len(text) // 2]
+
+
+def test_an_edited_ledger_fails_its_checksum(tmp_path):
+    path = tmp_path / "l.json"
+    PrivacyLedger(1e-5, path=path).record(PrivacyEvent("gep", 1.0, 0.1, 30))
+    path.write_text(path.read_text().replace('"steps": 30', '"steps": 3'))
+    with pytest.raises(LedgerError, match="checksum"):
+        PrivacyLedger.load(path)
+
+
+def test_ledger_refuses_a_release_beyond_its_budget_and_keeps_what_it_had(tmp_path):
+    path = tmp_path / "l.json"
+    ledger = PrivacyLedger(1e-5, budget_epsilon=3.0, owner="site-2", path=path)
+    event = PrivacyEvent("gep", 2.0, 0.05, 10)
+    ledger.record(event)
+    spent = ledger.epsilon()
+    with pytest.raises(BudgetExceededError, match=r"site-2.*budget 3.*spent so far"):
+        for _ in range(100):
+            ledger.record(event)
+    assert ledger.epsilon() <= 3.0
+    assert PrivacyLedger.load(path).events == ledger.events
+    assert ledger.epsilon() >= spent
+
+
+def test_open_continues_an_existing_ledger_and_refuses_a_different_delta(tmp_path):
+    path = tmp_path / "l.json"
+    first = PrivacyLedger.open(path, 1e-5, 8.0, "s")
+    first.record(PrivacyEvent("gp", 1.0, 0.1, 5))
+    again = PrivacyLedger.open(path, 1e-5, 8.0, "s")
+    assert again.steps == 5
+    with pytest.raises(LedgerError, match="delta"):
+        PrivacyLedger.open(path, 1e-6, 8.0, "s")

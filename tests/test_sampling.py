@@ -1,0 +1,34 @@
+import torch
+
+from gep_fed import GEPConfig, GEPStep, MnistCNN, PoissonSampler
+
+
+def test_poisson_batch_sizes_have_binomial_mean_and_variance():
+    n, q, draws = 2000, 0.05, 4000
+    sampler = PoissonSampler(n, q, steps=draws, generator=torch.Generator().manual_seed(0))
+    sizes = torch.tensor([len(b) for b in sampler], dtype=torch.float64)
+    mean, var = q * n, q * (1 - q) * n
+    assert abs(sizes.mean() - mean) < 5 * (var / draws) ** 0.5
+    # the sample variance of a binomial has sd about var * sqrt(2 / draws)
+    assert abs(sizes.var() - var) < 5 * var * (2 / draws) ** 0.5
+
+
+def test_indices_are_distinct_in_range_and_each_example_has_rate_q():
+    n, q = 50, 0.3
+    sampler = PoissonSampler(n, q, steps=3000, generator=torch.Generator().manual_seed(1))
+    counts = torch.zeros(n)
+    for idx in sampler:
+        assert len(set(idx.tolist())) == len(idx) and (idx.numel() == 0 or idx.max() < n)
+        counts[idx] += 1
+    assert (counts / 3000 - q).abs().max() < 0.05
+
+
+def test_empty_batches_occur_and_a_step_on_one_does_not_crash():
+    sampler = PoissonSampler(10, 0.01, steps=50, generator=torch.Generator().manual_seed(2))
+    assert any(len(b) == 0 for b in sampler)
+    model = MnistCNN()
+    cfg = GEPConfig(num_basis=20, sample_rate=0.01, noise_multiplier=1.0)
+    step = GEPStep(model, torch.randn(30, 1, 28, 28), cfg, dataset_size=10)
+    step(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert step.ledger.steps == 1
