@@ -121,3 +121,194 @@ def _number(
 def _integer(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+MODES = ("central", "client")
+PARTITIONS = ("iid", "dirichlet")
+DEVICES = ("auto", "cpu", "cuda")
+BASIS_DTYPES = ("float32", "float16")
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """A federated run: data and sites, privacy, subspace, optimisation, operation.
+
+    In a Flower run config the keys are written in kebab-case (``target-epsilon``);
+    ``noise-multiplier = "auto"`` and ``num-anchors = 0`` mean None.
+
+    Privacy fields:
+        mode: "client" (default; each site adds its own noise and keeps its own ledger, the
+            server is not trusted) or "central" (sites send unnoised clipped sums to a
+            trusted server, which adds the noise once per round).
+        mechanism: "gep", "bgep" or "gp".
+        target_epsilon, delta: the budget. The server stops before a round that would exceed
+            it; sigma is calibrated to spend exactly it over all rounds when
+            ``noise_multiplier`` is None. Each site enforces its own budget too.
+        sample_rate: q, every site's Poisson rate; central mode accounts the union of the
+            sites' data at this rate and normalises by ``q * total_examples``.
+        total_examples: N, the declared size of the union of the sites' data (central mode);
+            None lets a simulation use its partitions' sizes. Never a count sent by a site.
+        clip_embedding, clip_residual, clip_norm: S1, S2 (GEP, B-GEP) and S (GP).
+        noise_seed: fixes the noise (tests and benchmarks only: a known seed voids privacy).
+        run_dir, run_name: outputs go to ``run_dir/run_name`` (``run_dir/run-<flower run id>``
+            when ``run_name`` is empty); an existing one with a checkpoint is resumed.
+        release_site_metrics: let sites report their raw training loss (labelled in every
+            output as outside the guarantee). Off by default.
+
+    Other fields: see ``gep-fed simulate --help``.
+    """
+
+    task: str = "digits"
+    model: str = "cnn"
+    data_dir: str = "../shared/data"
+    medmnist_path: str = ""
+    num_sites: int = 3
+    partition: str = "iid"
+    dirichlet_alpha: float = 0.5
+    num_public: int = 2000
+    mode: str = "client"
+    mechanism: str = "gep"
+    target_epsilon: float = 8.0
+    delta: float = 1e-5
+    noise_multiplier: float | None = None
+    sample_rate: float = 0.1
+    total_examples: int | None = None
+    clip_embedding: float = 1.0
+    clip_residual: float = 0.2
+    clip_norm: float = 1.0
+    num_basis: int = 200
+    num_anchors: int | None = None
+    power_iterations: int = 1
+    basis_refresh: int = 1
+    basis_dtype: str = "float32"
+    rounds: int = 20
+    local_steps: int = 5
+    local_lr: float = 0.5
+    local_momentum: float = 0.0
+    server_lr: float = 1.0
+    server_momentum: float = 0.0
+    min_sites: int = 1
+    round_timeout: float = 600.0
+    seed: int = 0
+    noise_seed: int | None = None
+    run_dir: str = "runs"
+    run_name: str = ""
+    device: str = "auto"
+    release_site_metrics: bool = False
+    max_chunk: int = 128
+
+    def __post_init__(self) -> None:
+        from gep_fed.tasks import MODELS, TASKS
+
+        _choice("task", self.task, TASKS)
+        _choice("model", self.model, MODELS)
+        _choice("mode", self.mode, MODES)
+        _choice("mechanism", self.mechanism, MECHANISMS)
+        _choice("partition", self.partition, PARTITIONS)
+        _choice("basis_dtype", self.basis_dtype, BASIS_DTYPES)
+        _choice("device", self.device, DEVICES)
+        for name in (
+            "num_sites",
+            "num_public",
+            "num_basis",
+            "power_iterations",
+            "basis_refresh",
+            "rounds",
+            "local_steps",
+            "min_sites",
+            "max_chunk",
+        ):
+            _integer(name, getattr(self, name), low=1)
+        _integer("seed", self.seed, low=0)
+        for name in ("num_anchors", "total_examples", "noise_seed"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), low=0 if name == "noise_seed" else 1)
+        _number("target_epsilon", self.target_epsilon, low=0)
+        _number("delta", self.delta, low=0, high=0.1)
+        _number("sample_rate", self.sample_rate, low=0, high=1)
+        if self.noise_multiplier is not None:
+            _number("noise_multiplier", self.noise_multiplier, low=0)
+        for name in (
+            "clip_embedding",
+            "clip_residual",
+            "clip_norm",
+            "dirichlet_alpha",
+            "local_lr",
+            "server_lr",
+            "round_timeout",
+        ):
+            _number(name, getattr(self, name), low=0)
+        for name in ("local_momentum", "server_momentum"):
+            _number(name, getattr(self, name), low=0, high=0.999, low_open=False)
+        if self.min_sites > self.num_sites:
+            raise ConfigError(
+                f"min_sites ({self.min_sites}) cannot exceed num_sites ({self.num_sites})"
+            )
+        if not isinstance(self.release_site_metrics, bool):
+            raise ConfigError(
+                f"release_site_metrics must be true or false, got {self.release_site_metrics!r}"
+            )
+
+    @property
+    def steps_per_party(self) -> int:
+        """Accounted releases over the whole run: per round one (central) or
+        ``local_steps`` per site (client)."""
+        return self.rounds * (1 if self.mode == "central" else self.local_steps)
+
+    def run_directory(self, run_id: int | str) -> str:
+        from pathlib import Path
+
+        return str(Path(self.run_dir) / (self.run_name or f"run-{run_id}"))
+
+    def gep_config(self, noise_multiplier: float) -> GEPConfig:
+        return GEPConfig(
+            mechanism=self.mechanism,
+            noise_multiplier=noise_multiplier,
+            sample_rate=self.sample_rate,
+            num_basis=self.num_basis,
+            num_anchors=self.num_anchors,
+            power_iterations=self.power_iterations,
+            clip_embedding=self.clip_embedding,
+            clip_residual=self.clip_residual,
+            clip_norm=self.clip_norm,
+            max_chunk=self.max_chunk,
+        )
+
+    def to_record(self) -> dict:
+        """Flat kebab-case mapping (run-config style); None written as "auto" / 0."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                value = "auto" if f.name == "noise_multiplier" else 0
+            if f.name == "noise_seed" and getattr(self, f.name) is None:
+                value = -1
+            out[f.name.replace("_", "-")] = value
+        return out
+
+    @classmethod
+    def from_record(cls, values: Mapping[str, object]) -> FederationConfig:
+        """From a kebab- or snake-case mapping (Flower run config, JSON), naming bad keys."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                raise ConfigError(
+                    f"unknown setting {key!r}; known: {sorted(k.replace('_', '-') for k in known)}"
+                )
+            means_none = (
+                (name == "noise_multiplier" and value == "auto")
+                or (name in ("num_anchors", "total_examples") and value == 0)
+                or (name == "noise_seed" and isinstance(value, int) and value < 0)
+            )
+            if means_none:
+                value = None
+            elif (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and (known[name].type in ("float", "float | None"))
+            ):
+                value = float(value)
+            kwargs[name] = value
+        return cls(**kwargs)

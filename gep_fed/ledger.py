@@ -91,11 +91,12 @@ class PrivacyLedger:
                 f"{max(0.0, self.budget_epsilon - spent):.4g} left"
             )
 
-    def record(self, *events: PrivacyEvent) -> None:
-        """Check the budget, append ``events``, and save if the ledger has a path."""
+    def record(self, *events: PrivacyEvent, save: bool = True) -> None:
+        """Check the budget, append ``events``, and save if the ledger has a path (unless
+        ``save=False``: the caller then saves it, e.g. right after a checkpoint)."""
         self.check_budget(events)
         self._events.extend(events)
-        if self.path is not None:
+        if save and self.path is not None:
             self.save()
 
     # -- persistence ---------------------------------------------------------------------

@@ -65,6 +65,7 @@ class GEPStep:
         ledger: where each step is recorded (default: a new in-memory ledger at delta 1e-5).
         generator: public randomness (anchor subset, random labels, power-method start).
         party: recorded with each event (e.g. a site id).
+        round: recorded with each event (a federated round), if given.
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class GEPStep:
         ledger: PrivacyLedger | None = None,
         generator: torch.Generator | None = None,
         party: str = "",
+        round: int | None = None,
     ) -> None:
         validate_model(model)
         if dataset_size < 1:
@@ -94,6 +96,7 @@ class GEPStep:
         self.ledger = ledger if ledger is not None else PrivacyLedger(delta=1e-5)
         self.generator = generator
         self.party = party
+        self.round = round
         self.layout = ParameterLayout.from_model(model, config.groups)
         self.mechanism = make_mechanism(config)
         self.subspace: AnchorSubspace | None = None
@@ -151,6 +154,7 @@ class GEPStep:
             self.config.noise_multiplier,
             self.config.sample_rate,
             party=self.party,
+            round=self.round,
         )
         self.ledger.check_budget([event])
         refreshed = None

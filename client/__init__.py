@@ -1,0 +1,1 @@
+"""The Flower ClientApp of a gep-fed site."""

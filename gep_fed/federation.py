@@ -1,0 +1,286 @@
+"""The federation server's logic (no Flower): anchors, round configs, aggregation, accounting.
+
+Central mode: the server adds one noise draw to the sum of the sites' clipped sums,
+reconstructs with the *declared* ``q * N`` and steps its optimiser; its ledger records one
+step per round for the union of the sites' data. Client-side mode: the server averages the
+sites' noisy deltas; its ledger tracks what each participating site is expected to have
+spent (each site's own ledger is the authority and enforces the site's budget).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gep_fed.accounting import PrivacyEvent, calibrate_noise_multiplier
+from gep_fed.anchors import compute_anchor_subspace
+from gep_fed.config import FederationConfig
+from gep_fed.groups import ParameterLayout
+from gep_fed.ledger import LedgerError, PrivacyLedger
+from gep_fed.mechanisms import ClippedSums
+from gep_fed.noise import NoiseSource
+from gep_fed.rundir import CHECKPOINT, MODEL, RunDirectory
+from gep_fed.site import resolve_device
+from gep_fed.step import make_mechanism, write_gradient
+from gep_fed.subspace import AnchorSubspace
+from gep_fed.tasks import TaskData
+from gep_fed.training import evaluate
+from gep_fed.wire import (
+    CLIPPED_SUMS,
+    RoundConfig,
+    WireError,
+    as_wire_array,
+    basis_bytes,
+    decode_basis,
+    encode_basis,
+    encode_state,
+)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the server sends in one round. ``basis`` is None when the sites already hold
+    the basis ``config.basis_id`` (or the mechanism needs none)."""
+
+    config: RoundConfig
+    state: dict
+    basis: dict | None
+    anchor_seconds: float
+    anchor_projection_error: float | None
+
+
+def noise_multiplier_for(cfg: FederationConfig) -> float:
+    """The configured sigma, or the smallest one that spends ``target_epsilon`` over the run."""
+    if cfg.noise_multiplier is not None:
+        return cfg.noise_multiplier
+    return calibrate_noise_multiplier(
+        cfg.target_epsilon, cfg.delta, cfg.sample_rate, cfg.steps_per_party, cfg.mechanism
+    )
+
+
+class FederationServer:
+    """Holds the global model and everything the server does between messages.
+
+    Args:
+        cfg: the run's configuration.
+        task: the task's data; the server uses only its public anchors and test set.
+        run: the run directory (ledger, metrics, checkpoints).
+        total_examples: N, the declared union size (central mode normalisation).
+    """
+
+    def __init__(
+        self, cfg: FederationConfig, task: TaskData, run: RunDirectory, total_examples: int
+    ) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.device = resolve_device(cfg.device)
+        torch.manual_seed(cfg.seed)  # the initial model (public)
+        self.model_spec = task.model_spec(cfg.model)
+        self.model = self.model_spec.build().to(self.device)
+        self.layout = ParameterLayout.from_model(self.model)
+        self.total_examples = total_examples
+        self.sigma = noise_multiplier_for(cfg)
+        self.gep = cfg.gep_config(self.sigma)
+        self.mechanism = make_mechanism(self.gep)
+        self.public = task.public_tensor().to(self.device)
+        self.test = tuple(t.to(self.device) for t in task.tensors(task.test))
+        self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
+        self.noise = NoiseSource(cfg.noise_seed)
+        owner = "federation" if cfg.mode == "central" else "each-site (expected)"
+        self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, cfg.target_epsilon, owner)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(), lr=cfg.server_lr, momentum=cfg.server_momentum
+        )
+        self.completed_rounds = 0
+        self.subspace: AnchorSubspace | None = None
+        self.basis_id = -1
+        self._basis_arrays: dict | None = None
+
+    # -- accounting --------------------------------------------------------------------
+
+    def round_events(self, round_: int) -> list[PrivacyEvent]:
+        """The releases one round makes (per site in client mode)."""
+        party = "federation" if self.cfg.mode == "central" else "each-site"
+        n = 1 if self.cfg.mode == "central" else self.cfg.local_steps
+        return [
+            PrivacyEvent(
+                self.cfg.mechanism, self.sigma, self.cfg.sample_rate, party=party, round=round_
+            )
+            for _ in range(n)
+        ]
+
+    def check_budget(self, round_: int) -> None:
+        """Raise ``BudgetExceededError`` if round ``round_`` would exceed the budget."""
+        self.ledger.check_budget(self.round_events(round_))
+
+    # -- one round ---------------------------------------------------------------------
+
+    def plan_round(self, round_: int) -> RoundPlan:
+        """Anchor subspace (if due), the round config and the global state to send."""
+        cfg = self.cfg
+        anchor_seconds, proj_err = 0.0, None
+        basis_id = (round_ - 1) // cfg.basis_refresh
+        if self.mechanism.uses_subspace and basis_id != self.basis_id:
+            result = compute_anchor_subspace(
+                self.model,
+                self.public,
+                self.layout,
+                self.gep,
+                loss_fn=F.cross_entropy,
+                generator=self.generator,
+                measure=True,
+            )
+            self._basis_arrays = encode_basis(result.subspace, cfg.basis_dtype)
+            # Reconstruct with exactly the basis the sites receive (float16 included).
+            self.subspace = decode_basis(
+                {k: as_wire_array(v) for k, v in self._basis_arrays.items()},
+                self.layout,
+                cfg.basis_dtype,
+            ).to(self.device)
+            self.basis_id = basis_id
+            anchor_seconds, proj_err = result.seconds, result.projection_error
+        rc = RoundConfig(
+            round=round_,
+            mode=cfg.mode,
+            mechanism=cfg.mechanism,
+            sample_rate=cfg.sample_rate,
+            noise_multiplier=self.sigma,
+            clip_embedding=cfg.clip_embedding,
+            clip_residual=cfg.clip_residual,
+            clip_norm=cfg.clip_norm,
+            local_steps=cfg.local_steps,
+            local_lr=cfg.local_lr,
+            local_momentum=cfg.local_momentum,
+            basis_id=self.basis_id if self.mechanism.uses_subspace else -1,
+            basis_dtype=cfg.basis_dtype,
+            layout=json.dumps(self.layout.to_dict()),
+            model_spec=self.model_spec.to_json(),
+        )
+        return RoundPlan(
+            rc,
+            encode_state(self.model.state_dict()),
+            self._basis_arrays if self.mechanism.uses_subspace else None,
+            anchor_seconds,
+            proj_err,
+        )
+
+    @property
+    def basis_nbytes(self) -> int:
+        return basis_bytes(self._basis_arrays) if self._basis_arrays else 0
+
+    def check_plausible(self, sums: ClippedSums, sender: str) -> None:
+        """Reject clipped sums larger than clipping allows for any plausible batch.
+
+        One site's batch is part of a Poisson sample of the union with mean ``q N``; a norm
+        above ``S * (q N + 8 sd + 8)`` cannot come from honestly clipped examples.
+        """
+        mean = self.cfg.sample_rate * self.total_examples
+        ceiling = mean + 8 * math.sqrt(mean * (1 - self.cfg.sample_rate)) + 8
+        mech = self.mechanism
+        bounds = {
+            "embedding": getattr(mech, "clip_embedding", None),
+            "residual": getattr(mech, "clip_residual", getattr(mech, "clip_norm", None)),
+        }
+        for name, value in (("embedding", sums.embedding), ("residual", sums.residual)):
+            if value is None or bounds[name] is None:
+                continue
+            norm = float(torch.linalg.vector_norm(value.double()))
+            if norm > bounds[name] * ceiling:
+                raise WireError(
+                    sender,
+                    f"{CLIPPED_SUMS}.{name}",
+                    f"norm {norm:.4g} exceeds clip bound {bounds[name]:g} x plausible batch "
+                    f"{ceiling:.0f}: not honestly clipped",
+                )
+
+    def apply_central(self, round_: int, sums: list[ClippedSums]) -> None:
+        """Add the noise once to the total, reconstruct with q*N, step, account."""
+        total = sums[0]
+        for s in sums[1:]:
+            total = total + s
+        total = ClippedSums(
+            *(None if t is None else t.to(self.device) for t in (total.embedding, total.residual))
+        )
+        self.ledger.check_budget(self.round_events(round_))
+        noisy = self.mechanism.add_noise(total, self.sigma, self.noise)
+        estimate = self.mechanism.reconstruct(
+            noisy, self.subspace, self.cfg.sample_rate * self.total_examples
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        write_gradient(self.model, self.layout, estimate)
+        self.optimizer.step()
+        self._commit(round_)
+
+    def apply_client(self, round_: int, deltas: list[torch.Tensor]) -> None:
+        """Average the sites' noisy deltas (equal weights: site sizes are not used) and step."""
+        mean = torch.stack([d.to(self.device) for d in deltas]).mean(0)
+        self.optimizer.zero_grad(set_to_none=True)
+        write_gradient(self.model, self.layout, -mean)
+        self.optimizer.step()
+        self._commit(round_)
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, *self.test)
+
+    # -- persistence ---------------------------------------------------------------------
+
+    def _commit(self, round_: int) -> None:
+        """Account the round, then make it durable: the checkpoint (model and ledger
+        together, one atomic write) first, then the ledger file. A crash in between is
+        repaired by ``resume`` from the checkpoint, so no round is lost or counted twice."""
+        self.ledger.record(*self.round_events(round_), save=False)
+        self.completed_rounds = round_
+        self.run.save_torch(
+            CHECKPOINT,
+            {
+                "round": round_,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": self.generator.get_state(),
+                "ledger": self.ledger.to_json(),
+                "saved": time.time(),
+            },
+        )
+        self.ledger.save()
+
+    def save_model(self) -> None:
+        self.run.save_torch(
+            MODEL, {"model": self.model.state_dict(), "layout": self.layout.to_dict()}
+        )
+
+    def resume(self) -> int:
+        """Restore the last checkpoint (if any); returns the last completed round."""
+        ckpt = self.run.load_torch(CHECKPOINT)
+        if ckpt is None:
+            if self.ledger.steps:
+                raise LedgerError(
+                    f"{self.ledger.path} records {self.ledger.steps} step(s) but there is no "
+                    "checkpoint to resume from; refusing to start over on a spent ledger"
+                )
+            return 0
+        saved = PrivacyLedger.from_json(ckpt["ledger"], source=f"checkpoint {CHECKPOINT}")
+        on_disk = self.ledger.events
+        if on_disk != saved.events[: len(on_disk)]:
+            raise LedgerError(
+                f"{self.ledger.path} and {CHECKPOINT} disagree about what was released; "
+                "refusing to resume (restore both from the same backup)"
+            )
+        if len(on_disk) < len(saved.events):  # crashed between checkpoint and ledger write
+            self.ledger = PrivacyLedger(
+                self.ledger.delta,
+                self.ledger.budget_epsilon,
+                self.ledger.owner,
+                self.ledger.path,
+                saved.events,
+            )
+            self.ledger.save()
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.generator.set_state(ckpt["generator"])
+        self.completed_rounds = int(ckpt["round"])
+        return self.completed_rounds

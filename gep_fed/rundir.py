@@ -1,0 +1,119 @@
+"""The run directory: resolved configuration, per-round metrics, ledger, checkpoints, model.
+
+Files are written atomically (temporary file, fsync, rename) and metrics are appended line by
+line, so a crash never leaves a half-written record and never removes an earlier one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+LEDGER = "ledger.json"
+CHECKPOINT = "checkpoint.pt"
+MODEL = "model.pt"
+REPORT = "report.md"
+
+
+class RunDirectoryError(ValueError):
+    """The run directory is missing, not a run directory, or damaged."""
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """One run's outputs under ``path``."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, base: str | Path, label: str) -> RunDirectory:
+        """A new, empty directory ``base/<time>-<label>`` (never reuses an existing one)."""
+        base = Path(base)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for i in range(1000):
+            path = base / (f"{stamp}-{label}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir(parents=True, exist_ok=False)
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise RunDirectoryError(f"could not create a fresh run directory under {base}")
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunDirectory:
+        run = cls(path)
+        if not (run.path / CONFIG).exists():
+            raise RunDirectoryError(f"{run.path} is not a gep-fed run directory (no {CONFIG})")
+        return run
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.file(LEDGER)
+
+    def write_json(self, name: str, payload: dict) -> Path:
+        path = self.file(name)
+        atomic_write_bytes(path, (json.dumps(payload, indent=1, default=str) + "\n").encode())
+        return path
+
+    def read_json(self, name: str) -> dict:
+        path = self.file(name)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise RunDirectoryError(f"cannot read {path}: {err}") from err
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.file(METRICS), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, default=float) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def read_metrics(self) -> list[dict]:
+        path = self.file(METRICS)
+        if not path.exists():
+            return []
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise RunDirectoryError(f"{path} line {n} is not JSON: {err}") from err
+        return rows
+
+    def save_torch(self, name: str, payload: dict) -> Path:
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(payload, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def load_torch(self, name: str) -> dict | None:
+        path = self.file(name)
+        if not path.exists():
+            return None
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise RunDirectoryError(f"checkpoint {path} cannot be read: {err}") from err

@@ -1,0 +1,1 @@
+"""Runnable experiments on one machine (Flower Simulation Engine)."""
