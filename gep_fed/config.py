@@ -226,8 +226,8 @@ class FederationConfig:
         _number("target_epsilon", self.target_epsilon, low=0)
         _number("delta", self.delta, low=0, high=0.1)
         _number("sample_rate", self.sample_rate, low=0, high=1)
-        if self.noise_multiplier is not None:
-            _number("noise_multiplier", self.noise_multiplier, low=0)
+        if self.noise_multiplier is not None:  # 0 switches the noise off (no privacy)
+            _number("noise_multiplier", self.noise_multiplier, low=0, low_open=False)
         for name in (
             "clip_embedding",
             "clip_residual",

@@ -92,7 +92,9 @@ class FederationServer:
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
         self.noise = NoiseSource(cfg.noise_seed)
         owner = "federation" if cfg.mode == "central" else "each-site (expected)"
-        self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, cfg.target_epsilon, owner)
+        # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
+        budget = cfg.target_epsilon if self.sigma > 0 else None
+        self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, budget, owner)
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=cfg.server_lr, momentum=cfg.server_momentum
         )

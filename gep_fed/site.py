@@ -215,6 +215,8 @@ class SiteConfig:
             Path(run_directory) / "sites" / f"{site_id}" / "ledger.json"
         )
         budget = node_config.get("epsilon-budget", fed.target_epsilon)
+        if fed.noise_multiplier == 0:  # noise switched off: a non-private run has no budget
+            budget = None
         cfg = cls(
             site_id=site_id,
             data_path=str(node_config.get("data-path", "")),
@@ -225,7 +227,7 @@ class SiteConfig:
                 else int(node_config["num-partitions"])
             ),
             ledger_path=ledger,
-            epsilon_budget=float(budget),
+            epsilon_budget=None if budget is None else float(budget),
             delta=float(node_config.get("delta", fed.delta)),
             device=str(node_config.get("device", fed.device)),
         )
@@ -233,7 +235,7 @@ class SiteConfig:
             raise ConfigError(
                 f"node config device must be one of {list(DEVICES)}, got {cfg.device!r}"
             )
-        if not (cfg.epsilon_budget > 0):
+        if cfg.epsilon_budget is not None and not (cfg.epsilon_budget > 0):
             raise ConfigError(f"node config epsilon-budget must be > 0, got {cfg.epsilon_budget}")
         if not (0 < cfg.delta < 1):
             raise ConfigError(f"node config delta must be in (0, 1), got {cfg.delta}")

@@ -1,0 +1,116 @@
+"""The federation's library side (no Flower): sites, central aggregation, resumption."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gep_fed import PoissonSampler, per_example_gradients
+from gep_fed.config import FederationConfig
+from gep_fed.federation import FederationServer
+from gep_fed.ledger import LedgerError
+from gep_fed.partition import partition_indices
+from gep_fed.rundir import RunDirectory
+from gep_fed.site import Site
+from gep_fed.step import make_mechanism
+from gep_fed.tasks import load_task
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_task("digits", num_public=300)
+
+
+def make_server(tmp_path, task, **overrides):
+    settings = dict(num_basis=30, sample_rate=0.2, rounds=3, run_dir=str(tmp_path), run_name="r")
+    settings.update(overrides)
+    fed = FederationConfig(**settings)
+    run = RunDirectory(fed.run_directory(0))
+    run.path.mkdir(parents=True, exist_ok=True)
+    return FederationServer(fed, task, run, total_examples=len(task.train))
+
+
+@pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
+def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples(
+    tmp_path, digits, mechanism
+):
+    server = make_server(
+        tmp_path,
+        digits,
+        mode="central",
+        mechanism=mechanism,
+        noise_multiplier=0.0,
+        server_lr=0.5,
+    )
+    plan = server.plan_round(1)
+    spec = server.model_spec
+    parts = partition_indices(digits.train.labels, 3, "iid", seed=0)
+    sites, union_x, union_y = [], [], []
+    for i, part in enumerate(parts):
+        x, y = digits.tensors(digits.train.subset(part))
+        site = Site(
+            f"s{i}", spec.build(), x, y, sampler_generator=torch.Generator().manual_seed(100 + i)
+        )
+        site.load_state(server.model.state_dict())
+        sites.append(site)
+        idx = PoissonSampler(len(x), 0.2, 1, torch.Generator().manual_seed(100 + i)).sample()
+        union_x.append(x[idx])
+        union_y.append(y[idx])
+    sums = [site.central_sums(server.subspace, plan.config) for site in sites]
+
+    before = server.layout.flatten_params(server.model).clone()
+    grads = per_example_gradients(
+        server.model, F.cross_entropy, torch.cat(union_x), torch.cat(union_y), server.layout
+    )
+    mech = make_mechanism(server.gep)
+    single = mech.reconstruct(
+        mech.clipped_sums(grads, server.subspace), server.subspace, 0.2 * len(digits.train)
+    )
+    server.apply_central(1, sums)
+    after = server.layout.flatten_params(server.model)
+    torch.testing.assert_close(after, before - 0.5 * single, atol=1e-5, rtol=1e-5)
+
+
+def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, digits):
+    from gep_fed.ledger import BudgetExceededError, PrivacyLedger
+
+    server = make_server(tmp_path, digits, mode="client", noise_multiplier=1.0, local_steps=3)
+    plan = server.plan_round(1)
+    x, y = digits.tensors(digits.train)
+    ledger = PrivacyLedger(1e-5, budget_epsilon=0.5, owner="s", path=tmp_path / "site.json")
+    site = Site("s", server.model_spec.build(), x, y, ledger=ledger)
+    site.load_state(server.model.state_dict())
+    weights = [p.clone() for p in site.model.parameters()]
+    with pytest.raises(BudgetExceededError, match=r"s: 3 more step\(s\)"):
+        site.local_update(server.subspace, plan.config)
+    assert ledger.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, site.model.parameters()))
+
+
+def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, digits):
+    server = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
+    plan = server.plan_round(1)
+    x, y = digits.tensors(digits.train)
+    site = Site("s", server.model_spec.build(), x, y)
+    site.load_state(server.model.state_dict())
+    server.apply_central(1, [site.central_sums(server.subspace, plan.config)])
+    # simulate a crash after the checkpoint but before the ledger file was rewritten
+    ledger_path = server.ledger.path
+    from gep_fed.ledger import PrivacyLedger
+
+    PrivacyLedger(1e-5, 8.0, server.ledger.owner, ledger_path).save()
+    again = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
+    assert again.resume() == 1
+    assert again.ledger.steps == 1 and PrivacyLedger.load(ledger_path).steps == 1
+    torch.testing.assert_close(
+        again.layout.flatten_params(again.model), server.layout.flatten_params(server.model)
+    )
+
+
+def test_a_spent_ledger_without_checkpoint_is_not_started_over(tmp_path, digits):
+    server = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
+    server.plan_round(1)
+    server.ledger.record(*server.round_events(1))
+    (server.run.path / "checkpoint.pt").unlink(missing_ok=True)
+    again = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
+    with pytest.raises(LedgerError, match="no checkpoint"):
+        again.resume()

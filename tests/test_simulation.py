@@ -1,0 +1,173 @@
+"""Real Flower simulations (Simulation Engine, Ray backend) of the GEP federation.
+
+Small real data (scikit-learn's digits, bundled) and few rounds; each run takes ~30 s.
+"""
+
+import json
+import math
+import sys
+
+import cloudpickle
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting import rdp
+
+from gep_fed import wire
+from gep_fed.accounting import epsilon_rdp
+from gep_fed.config import FederationConfig
+from gep_fed.ledger import PrivacyLedger
+from gep_fed.tasks import load_task
+from simulations.runner import simulate
+
+# Ray workers must unpickle the tampering client app defined here.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FAST = dict(num_basis=30, num_public=300, sample_rate=0.2, noise_seed=7, local_steps=2)
+
+
+def fresh_epsilon(sigma_accounted: float, q: float, steps: int, delta: float) -> float:
+    """Epsilon straight from dp-accounting, bypassing gep_fed's composition code."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma_accounted)),
+        steps,
+    )
+    return rdp.RdpAccountant().compose(event).get_epsilon(delta)
+
+
+def initial_weights(fed: FederationConfig) -> torch.Tensor:
+    torch.manual_seed(fed.seed)
+    task = load_task(fed.task, num_public=fed.num_public, seed=fed.seed)
+    model = task.model_spec(fed.model).build()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def final_weights(run_dir) -> torch.Tensor:
+    state = torch.load(run_dir / "model.pt", weights_only=True)["model"]
+    return torch.cat([v.reshape(-1) for v in state.values()])
+
+
+@pytest.mark.parametrize("mode", ["client", "central"])
+def test_three_site_simulation_trains_and_accounts_every_release(tmp_path, mode):
+    fed = FederationConfig(
+        mode=mode, rounds=3, run_dir=str(tmp_path), run_name="r", basis_refresh=2, **FAST
+    )
+    result = simulate(fed, progress=False)
+    assert result.stop_reason is None
+    assert [m["round"] for m in result.metrics] == [1, 2, 3]
+    assert all(m["sites_ok"] == 3 and not m["rejected"] for m in result.metrics)
+    assert not torch.allclose(final_weights(result.run_dir), initial_weights(fed))
+    sigma = json.loads((result.run_dir / "config.json").read_text())["resolved-noise-multiplier"]
+    accounted = sigma / math.sqrt(2)  # GEP: two releases per step
+    if mode == "central":
+        ledger = PrivacyLedger.load(result.run_dir / "ledger.json")
+        assert ledger.steps == 3 and [e.round for e in ledger.events] == [1, 2, 3]
+        assert ledger.epsilon() == pytest.approx(fresh_epsilon(accounted, 0.2, 3, 1e-5), rel=1e-9)
+    else:
+        for site in range(3):
+            ledger = PrivacyLedger.load(result.run_dir / "sites" / f"site-{site}" / "ledger.json")
+            assert ledger.steps == 3 * 2
+            assert {e.party for e in ledger.events} == {f"site-{site}"}
+            assert ledger.epsilon() == pytest.approx(
+                fresh_epsilon(accounted, 0.2, 6, 1e-5), rel=1e-9
+            )
+    # the basis is recomputed every 2 rounds and sent only then
+    assert [sum(m["basis_bytes_per_site"]) > 0 for m in result.metrics] == [True, False, True]
+    # the calibrated sigma spends the target over the whole run
+    assert result.metrics[-1]["epsilon"] == pytest.approx(8.0, abs=0.01)
+
+
+def tampering_client_app(fed):
+    """Site partition 0 corrupts its reply differently each round; the others are honest."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+    from flwr.clientapp import ClientApp
+
+    from client.app import handle_train
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        reply = handle_train(msg, context, fed)
+        if context.node_config["partition-id"] != 0:
+            return reply
+        rnd = msg.content.config_records[wire.ROUND_CONFIG]["round"]
+        content = reply.content
+        sums = content.array_records[wire.CLIPPED_SUMS]
+        if rnd == 1:  # wrong shape
+            sums["residual"] = Array(np.zeros(7, np.float32))
+        elif rnd == 2:  # NaN
+            bad = sums["embedding"].numpy().copy()
+            bad[0] = np.nan
+            sums["embedding"] = Array(bad)
+        elif rnd == 3:  # missing key
+            content.array_records[wire.CLIPPED_SUMS] = ArrayRecord({"embedding": sums["embedding"]})
+        else:  # wrong protocol version
+            content[wire.REPLY_META] = ConfigRecord(
+                {**wire.reply_meta(rnd, "central"), "protocol": 99}
+            )
+        return reply
+
+    return app
+
+
+def test_bad_replies_are_rejected_by_name_and_the_round_goes_on(tmp_path, monkeypatch, caplog):
+    import simulations.runner as runner
+
+    fed = FederationConfig(
+        mode="central", rounds=4, num_sites=4, run_dir=str(tmp_path), run_name="r", **FAST
+    )
+    monkeypatch.setattr("client.app.make_client_app", tampering_client_app)
+    caplog.set_level("WARNING", logger="gep_fed.server")
+    result = runner.simulate(fed, progress=False)
+    expected = [
+        "'clipped-sums.residual': shape",
+        "'clipped-sums.embedding': contains NaN",
+        "'clipped-sums.residual': missing",
+        "'reply-meta.protocol': protocol version 99",
+    ]
+    for metrics, problem in zip(result.metrics, expected, strict=True):
+        assert metrics["sites_ok"] == 3 and metrics["applied"]
+        assert len(metrics["rejected"]) == 1 and problem in metrics["rejected"][0]
+        assert "site at node" in metrics["rejected"][0]
+        assert any(problem in r.getMessage() for r in caplog.records)
+    assert PrivacyLedger.load(result.run_dir / "ledger.json").steps == 4
+
+
+def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
+    from gep_fed.accounting import PrivacyEvent
+
+    sigma, q = 1.5, 0.2
+    two = epsilon_rdp([PrivacyEvent("gep", sigma, q, 2)], 1e-5)
+    three = epsilon_rdp([PrivacyEvent("gep", sigma, q, 3)], 1e-5)
+    fed = FederationConfig(
+        mode="central",
+        rounds=5,
+        noise_multiplier=sigma,
+        target_epsilon=(two + three) / 2,
+        run_dir=str(tmp_path),
+        run_name="r",
+        **FAST,
+    )
+    result = simulate(fed, progress=False)
+    assert [m["round"] for m in result.metrics] == [1, 2]
+    assert "stopped before round 3" in result.stop_reason
+    assert "spent so far" in result.stop_reason and "left" in result.stop_reason
+    assert PrivacyLedger.load(result.run_dir / "ledger.json").steps == 2
+
+
+def test_a_site_with_an_exhausted_budget_refuses_and_the_others_go_on(tmp_path):
+    from gep_fed.accounting import PrivacyEvent
+
+    fed = FederationConfig(
+        mode="client", rounds=2, noise_multiplier=1.0, run_dir=str(tmp_path), run_name="r", **FAST
+    )
+    spent = tmp_path / "r" / "sites" / "site-1" / "ledger.json"
+    PrivacyLedger(1e-5, None, "site-1", spent).record(PrivacyEvent("gep", 1.0, 0.2, 95))
+    result = simulate(fed, progress=False)
+    for metrics in result.metrics:
+        assert metrics["sites_ok"] == 2 and metrics["applied"]
+        assert len(metrics["rejected"]) == 1 and "budget" in metrics["rejected"][0]
+    assert PrivacyLedger.load(spent).steps == 95  # nothing more recorded, nothing lost
+    assert PrivacyLedger.load(tmp_path / "r" / "sites" / "site-0" / "ledger.json").steps == 4
