@@ -83,7 +83,7 @@ def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, d
     with pytest.raises(BudgetExceededError, match=r"s: 3 more step\(s\)"):
         site.local_update(server.subspace, plan.config)
     assert ledger.steps == 0
-    assert all(torch.equal(a, b) for a, b in zip(weights, site.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(weights, site.model.parameters(), strict=True))
 
 
 def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, digits):

@@ -105,7 +105,9 @@ def test_reply_meta_must_match_round_mode_and_version():
 def test_float16_basis_is_used_exactly_as_received():
     layout = ParameterLayout.from_model(MLP(30, 5, hidden=(20,)))
     dims = layout.allocate_basis(8)
-    bases = tuple(torch.linalg.qr(torch.randn(g.size, k)).Q for g, k in zip(layout.groups, dims))
+    bases = tuple(
+        torch.linalg.qr(torch.randn(g.size, k)).Q for g, k in zip(layout.groups, dims, strict=True)
+    )
     from gep_fed import AnchorSubspace
 
     encoded = wire.encode_basis(AnchorSubspace(layout, bases), "float16")
@@ -113,7 +115,7 @@ def test_float16_basis_is_used_exactly_as_received():
     received = wire.decode_basis(
         {k: as_wire_array(v) for k, v in encoded.items()}, layout, "float16"
     )
-    for sent, got in zip(encoded.values(), received.bases):
+    for sent, got in zip(encoded.values(), received.bases, strict=True):
         assert torch.equal(got, torch.from_numpy(sent.astype(np.float32)))
     # the decomposition against the received basis is exact: g = lift(embed(g)) + residual
     g = torch.randn(4, layout.size)
