@@ -23,7 +23,7 @@ from gep_fed.subspace import AnchorSubspace
 from gep_fed.tasks import ModelSpec
 
 # One Site per (run, node) in this process: data is loaded once, not every round.
-_SITES: dict[tuple[int, int], Site] = {}
+_SITES: dict[tuple[int, int], tuple[Site, SiteConfig]] = {}
 BASIS_ID_KEY = "basis-id"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
 
@@ -41,22 +41,24 @@ def _site(context: Context, fed: FederationConfig, rc: wire.RoundConfig) -> Site
         spec = ModelSpec.from_json(rc.model_spec)
         data = load_site_data(cfg, fed)
         spec.check_images(data.images, cfg.data_path or f"partition {cfg.partition_id}")
-        ledger = (
-            PrivacyLedger.open(cfg.ledger_path, cfg.delta, cfg.epsilon_budget, cfg.site_id)
-            if fed.mode == "client"
-            else None
-        )
-        _SITES[key] = Site(
+        site = Site(
             cfg.site_id,
             spec.build(),
             spec.tensor(data.images),
             torch.from_numpy(data.labels),
             device=resolve_device(cfg.device),
-            ledger=ledger,
             noise=NoiseSource(fed.noise_seed),
             max_chunk=fed.max_chunk,
         )
-    return _SITES[key]
+        _SITES[key] = (site, cfg)
+    site, cfg = _SITES[key]
+    if fed.mode == "client":
+        # Re-read the ledger every round: the file is the authority (a simulated site may be
+        # served by several worker processes), and a stale copy must never overwrite it.
+        site.ledger = PrivacyLedger.open(
+            cfg.ledger_path, cfg.delta, cfg.epsilon_budget, cfg.site_id
+        )
+    return site
 
 
 def _basis(

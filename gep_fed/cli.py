@@ -1,9 +1,14 @@
-"""The ``gep-fed`` command line."""
+"""The ``gep-fed`` command line: simulate, compare, report, calibrate."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
+import types
+import typing
+from dataclasses import fields
 
 from gep_fed.accounting import (
     ImpossibleTargetError,
@@ -12,16 +17,111 @@ from gep_fed.accounting import (
     epsilon_pld,
     epsilon_rdp,
 )
+from gep_fed.config import ConfigError, FederationConfig
+
+
+def _field_type(f) -> type:
+    hint = typing.get_type_hints(FederationConfig)[f.name]
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_federation_options(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-case`` option per ``FederationConfig`` field, with its help text."""
+    for f in fields(FederationConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if kind is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif f.name == "noise_multiplier":
+            parser.add_argument(flag, default=None, metavar="SIGMA|auto", help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def federation_config(args: argparse.Namespace) -> FederationConfig:
+    values = {}
+    for f in fields(FederationConfig):
+        value = getattr(args, f.name, None)
+        if value is None:
+            continue
+        if f.name == "noise_multiplier":
+            value = None if value == "auto" else _float(value, "--noise-multiplier")
+        values[f.name] = value
+    return FederationConfig(**values)
+
+
+def _float(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a number or 'auto', got {text!r}") from None
+
+
+def _quiet_logs() -> None:
+    for name in ("flwr", "ray", "datasets"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from gep_fed.report import render_report
+    from simulations.runner import simulate
+
+    fed = federation_config(args)
+    _quiet_logs()
+    began = time.perf_counter()
+    result = simulate(fed, progress=True)
+    wall = time.perf_counter() - began
+    report = render_report(result.run_dir)
+    _print_summary(fed, result, wall)
+    print(f"run directory: {result.run_dir}\nreport:        {report}")
+    return 0 if result.stop_reason is None else 1
+
+
+def _print_summary(fed, result, wall: float) -> None:
+    from gep_fed.ledger import PrivacyLedger
+
+    last = result.metrics[-1] if result.metrics else {}
+    print()
+    if result.stop_reason:
+        print(f"stopped early: {result.stop_reason}")
+    rows = [
+        ("test accuracy", f"{last.get('test_accuracy', float('nan')):.4f}"),
+        ("rounds", f"{len(result.metrics)} of {fed.rounds}"),
+        ("mode / mechanism", f"{fed.mode} / {fed.mechanism}"),
+    ]
+    ledger = result.run_dir / "ledger.json"
+    if ledger.exists():
+        spent = PrivacyLedger.load(ledger)
+        who = "federation" if fed.mode == "central" else "each site"
+        rows.append(
+            (
+                f"epsilon spent ({who})",
+                f"{spent.epsilon():.3f} (RDP), {spent.epsilon('pld'):.3f} (PLD) "
+                f"at delta={fed.delta:g}, budget {fed.target_epsilon:g}",
+            )
+        )
+    rows.append(("wall time", f"{wall:.1f} s"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from gep_fed.report import render_report
+
+    print(render_report(args.run_dir))
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    try:
-        sigma = calibrate_noise_multiplier(
-            args.epsilon, args.delta, args.sample_rate, args.steps, args.mechanism
-        )
-    except (ImpossibleTargetError, ValueError) as err:
-        print(f"gep-fed calibrate: {err}", file=sys.stderr)
-        return 2
+    sigma = calibrate_noise_multiplier(
+        args.epsilon, args.delta, args.sample_rate, args.steps, args.mechanism
+    )
     events = [PrivacyEvent(args.mechanism, sigma, args.sample_rate, args.steps)]
     print(
         f"noise multiplier sigma = {sigma:.4f}  ({args.mechanism}, q={args.sample_rate:g}, "
@@ -34,9 +134,62 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from simulations.compare import run_comparison
+
+    _quiet_logs()
+    base = federation_config(args)
+    table = run_comparison(
+        base, epsilons=args.epsilons, out_dir=args.out, central_reference=not args.no_reference
+    )
+    print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gep-fed", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="gep-fed",
+        description="Federated training with Gradient Embedding Perturbation (GEP) "
+        "differential privacy, on Flower and PyTorch.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run a federated simulation (defaults: bundled digits, 3 sites, "
+        "client-side GEP, offline)",
+        description="Run a federated simulation on the Flower Simulation Engine. Every "
+        "setting below has a default that needs no download.",
+    )
+    add_federation_options(sim)
+    sim.set_defaults(func=_simulate)
+
+    cmp = sub.add_parser(
+        "compare",
+        help="run non-private, GP, B-GEP and GEP in both modes on the same data",
+        description="Run a matrix of configurations on the same data, sites and seeds and "
+        "write one Markdown table and one plot.",
+    )
+    add_federation_options(cmp)
+    cmp.add_argument(
+        "--epsilons",
+        type=float,
+        nargs="+",
+        default=[2.0, 8.0],
+        help="privacy budgets to compare (default: 2 8)",
+    )
+    cmp.add_argument("--out", default="comparisons", help="where the table and plot go")
+    cmp.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the centralised (pooled-data) GEP and GP reference runs",
+    )
+    cmp.set_defaults(func=_compare)
+
+    rep = sub.add_parser("report", help="re-render report.md and plots of a run directory")
+    rep.add_argument("run_dir", help="a run directory (holds config.json, metrics.jsonl)")
+    rep.set_defaults(func=_report)
+
     cal = sub.add_parser(
         "calibrate", help="print the noise multiplier sigma that meets a target epsilon"
     )
@@ -66,19 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="gep releases two vectors per step and is accounted at sigma/sqrt(2)",
     )
     cal.set_defaults(func=_calibrate)
-    sim = sub.add_parser("simulate", help="run a federated GEP simulation")
-    sim.set_defaults(func=lambda _: _not_yet("simulate"))
     return parser
-
-
-def _not_yet(command: str) -> int:
-    print(f"gep-fed {command}: not yet available in this version", file=sys.stderr)
-    return 3
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ConfigError, ImpossibleTargetError, ValueError, FileNotFoundError) as err:
+        print(f"gep-fed {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -124,6 +124,13 @@ def _integer(name: str, value: object, low: int) -> None:
 
 
 MODES = ("central", "client")
+
+
+def _opt(default, help_text: str):
+    """A dataclass field with its ``--help`` text (what the CLI shows)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 PARTITIONS = ("iid", "dirichlet")
 DEVICES = ("auto", "cpu", "cuda")
 BASIS_DTYPES = ("float32", "float16")
@@ -155,53 +162,79 @@ class FederationConfig:
         release_site_metrics: let sites report their raw training loss (labelled in every
             output as outside the guarantee). Off by default.
 
-    Other fields: see ``gep-fed simulate --help``.
+    Every field's help text is in its metadata (what ``gep-fed simulate --help`` shows).
     """
 
-    task: str = "digits"
-    model: str = "cnn"
-    data_dir: str = "../shared/data"
-    medmnist_path: str = ""
-    num_sites: int = 3
-    partition: str = "iid"
-    dirichlet_alpha: float = 0.5
-    num_public: int = 2000
-    mode: str = "client"
-    mechanism: str = "gep"
-    target_epsilon: float = 8.0
-    delta: float = 1e-5
-    noise_multiplier: float | None = None
-    sample_rate: float = 0.1
-    total_examples: int | None = None
-    clip_embedding: float = 1.0
-    clip_residual: float = 0.2
-    clip_norm: float = 1.0
-    num_basis: int = 200
-    num_anchors: int | None = None
-    power_iterations: int = 1
-    basis_refresh: int = 1
-    basis_dtype: str = "float32"
-    rounds: int = 20
-    local_steps: int = 5
-    local_lr: float = 0.5
-    local_momentum: float = 0.0
-    server_lr: float = 1.0
-    server_momentum: float = 0.0
-    min_sites: int = 1
-    round_timeout: float = 600.0
-    seed: int = 0
-    noise_seed: int | None = None
-    run_dir: str = "runs"
-    run_name: str = ""
-    device: str = "auto"
-    release_site_metrics: bool = False
-    max_chunk: int = 128
+    task: str = _opt("digits", "data set: digits (bundled, offline), mnist, pneumonia, medmnist")
+    model: str = _opt("auto", "architecture: auto (mlp for digits, cnn otherwise), cnn, mlp")
+    data_dir: str = _opt("../shared/data", "folder with mnist/, kmnist/, medmnist/")
+    medmnist_path: str = _opt("", "a MedMNIST <flag>.npz for task medmnist")
+    num_sites: int = _opt(3, "number of sites (simulated SuperNodes)")
+    partition: str = _opt("iid", "how the pooled data is split across sites: iid or dirichlet")
+    dirichlet_alpha: float = _opt(0.5, "label skew for --partition dirichlet (smaller: more skew)")
+    num_public: int = _opt(2000, "public anchor examples the server holds (labels never used)")
+    mode: str = _opt(
+        "client",
+        "client: each site noises its own updates and keeps its own ledger (untrusted "
+        "server); central: sites send unnoised clipped sums, the trusted server adds the noise",
+    )
+    mechanism: str = _opt("gep", "gep (unbiased, two releases per step), bgep, or gp (DP-SGD)")
+    target_epsilon: float = _opt(
+        8.0,
+        "privacy budget epsilon: the run stops before exceeding it and, unless "
+        "--noise-multiplier is given, sigma is calibrated to spend it over all rounds",
+    )
+    delta: float = _opt(1e-5, "delta of the (epsilon, delta) guarantee")
+    noise_multiplier: float | None = _opt(
+        None,
+        "sigma: noise std / clip norm ('auto': calibrated from the budget; 0: no noise, "
+        "no privacy)",
+    )
+    sample_rate: float = _opt(
+        0.1,
+        "q: each private example's chance to be in a step's "
+        "Poisson sample (smaller amplifies privacy)",
+    )
+    total_examples: int | None = _opt(
+        None,
+        "N, the declared size of the union of the sites' data (central-mode "
+        "normalisation q*N); default: the simulation's pooled size",
+    )
+    clip_embedding: float = _opt(1.0, "S1: bound on each example's embedding norm (noise sigma*S1)")
+    clip_residual: float = _opt(1.0, "S2: bound on each example's residual norm (noise sigma*S2)")
+    clip_norm: float = _opt(1.0, "S: bound on each example's gradient norm for gp")
+    num_basis: int = _opt(64, "k: anchor-subspace dimension (public; no privacy cost)")
+    num_anchors: int | None = _opt(None, "m: anchors used per subspace (default: all public data)")
+    power_iterations: int = _opt(1, "t: power-method passes per subspace")
+    basis_refresh: int = _opt(1, "recompute and resend the basis every R rounds")
+    basis_dtype: str = _opt("float32", "basis on the wire: float32 or float16 (half the bytes)")
+    rounds: int = _opt(10, "federated rounds")
+    local_steps: int = _opt(10, "private steps per site per round (client mode), each accounted")
+    local_lr: float = _opt(1.0, "site learning rate (client mode)")
+    local_momentum: float = _opt(0.0, "site SGD momentum (client mode)")
+    server_lr: float = _opt(
+        1.0, "server step size on the private gradient (central) or on the mean delta (client)"
+    )
+    server_momentum: float = _opt(0.0, "server SGD momentum")
+    min_sites: int = _opt(1, "fewest valid replies for a round to update the model")
+    round_timeout: float = _opt(600.0, "seconds to wait for the sites' replies in a round")
+    seed: int = _opt(0, "public randomness: partitions, anchors, initial model (never noise)")
+    noise_seed: int | None = _opt(
+        None, "fix the noise (tests and benchmarks only: a known seed voids the guarantee)"
+    )
+    run_dir: str = _opt("runs", "where run directories are created")
+    run_name: str = _opt("", "run directory name (an existing one is resumed)")
+    device: str = _opt("auto", "auto (cuda when available), cpu or cuda")
+    release_site_metrics: bool = _opt(
+        False, "let sites report raw training loss, labelled as OUTSIDE the privacy guarantee"
+    )
+    max_chunk: int = _opt(128, "examples differentiated at once (memory bound)")
 
     def __post_init__(self) -> None:
         from gep_fed.tasks import MODELS, TASKS
 
         _choice("task", self.task, TASKS)
-        _choice("model", self.model, MODELS)
+        _choice("model", self.model, ("auto", *MODELS))
         _choice("mode", self.mode, MODES)
         _choice("mechanism", self.mechanism, MECHANISMS)
         _choice("partition", self.partition, PARTITIONS)
@@ -248,6 +281,13 @@ class FederationConfig:
             raise ConfigError(
                 f"release_site_metrics must be true or false, got {self.release_site_metrics!r}"
             )
+
+    @property
+    def model_kind(self) -> str:
+        """The architecture: ``model``, or for "auto" the MLP on digits and the CNN otherwise."""
+        if self.model != "auto":
+            return self.model
+        return "mlp" if self.task == "digits" else "cnn"
 
     @property
     def steps_per_party(self) -> int:

@@ -80,7 +80,7 @@ class FederationServer:
         self.run = run
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)  # the initial model (public)
-        self.model_spec = task.model_spec(cfg.model)
+        self.model_spec = task.model_spec(cfg.model_kind)
         self.model = self.model_spec.build().to(self.device)
         self.layout = ParameterLayout.from_model(self.model)
         self.total_examples = total_examples
@@ -273,14 +273,7 @@ class FederationServer:
                 "refusing to resume (restore both from the same backup)"
             )
         if len(on_disk) < len(saved.events):  # crashed between checkpoint and ledger write
-            self.ledger = PrivacyLedger(
-                self.ledger.delta,
-                self.ledger.budget_epsilon,
-                self.ledger.owner,
-                self.ledger.path,
-                saved.events,
-            )
-            self.ledger.save()
+            self.ledger.recover(saved.events)
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.generator.set_state(ckpt["generator"])

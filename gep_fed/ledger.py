@@ -7,6 +7,8 @@ spent". Epsilon is always recomputed from the events by ``dp-accounting``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -54,6 +56,9 @@ class PrivacyLedger:
         self.owner = owner
         self.path = None if path is None else Path(path)
         self._events: list[PrivacyEvent] = list(events)
+        # Digest of the file as this object last read or wrote it: a save over a file that
+        # another process changed since then would lose that process's releases.
+        self._disk_digest: str | None = None
 
     @property
     def events(self) -> tuple[PrivacyEvent, ...]:
@@ -99,6 +104,15 @@ class PrivacyLedger:
         if save and self.path is not None:
             self.save()
 
+    def recover(self, events: Sequence[PrivacyEvent]) -> None:
+        """Append releases that already happened but were not saved (e.g. found in a
+        checkpoint written just before a crash). ``events`` must extend this ledger's."""
+        if tuple(events[: len(self._events)]) != self.events:
+            raise LedgerError("recovered events do not extend this ledger's events")
+        self._events.extend(events[len(self._events) :])
+        if self.path is not None:
+            self.save()
+
     # -- persistence ---------------------------------------------------------------------
 
     def _body(self) -> dict:
@@ -140,17 +154,32 @@ class PrivacyLedger:
             raise LedgerError(f"{source} has an invalid entry: {err}") from err
 
     def save(self, path: str | Path | None = None) -> Path:
-        """Atomically write the ledger (temporary file, fsync, rename)."""
+        """Atomically write the ledger (temporary file, fsync, rename).
+
+        Refuses (``LedgerError``) to overwrite this ledger's own file if another process
+        changed it since this object read or wrote it: that would silently drop releases.
+        """
         target = Path(path) if path is not None else self.path
         if target is None:
             raise ValueError("no path to save the ledger to")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(self.to_json())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
+        text = self.to_json()
+        with _locked(target):
+            if target == self.path:
+                current = _file_digest(target)
+                if current is not None and current != self._disk_digest:
+                    raise LedgerError(
+                        f"ledger {target} was changed by another process since it was read; "
+                        "not overwriting it (reopen it and record again)"
+                    )
+            tmp = target.with_name(target.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        if target == self.path:
+            self._disk_digest = hashlib.sha256(text.encode()).hexdigest()
         return target
 
     @classmethod
@@ -162,6 +191,7 @@ class PrivacyLedger:
             raise LedgerError(f"cannot read ledger {path}: {err}") from err
         ledger = cls.from_json(text, source=f"ledger {path}")
         ledger.path = path
+        ledger._disk_digest = hashlib.sha256(text.encode()).hexdigest()
         return ledger
 
     @classmethod
@@ -199,6 +229,24 @@ class PrivacyLedger:
 
 
 _EPSILON = {"rdp": epsilon_rdp, "pld": epsilon_pld}
+
+
+def _file_digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive advisory lock beside ``path`` (processes on one machine)."""
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _digest(body: dict) -> str:

@@ -146,8 +146,9 @@ class GEPStep:
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
         """One private step on a Poisson-sampled batch (any size, including 0).
 
-        Records the release in the ledger first, so a step that would exceed the ledger's
-        budget raises ``BudgetExceededError`` before anything is computed.
+        Records the release in the ledger first: a step that would exceed the ledger's
+        budget raises ``BudgetExceededError`` before anything is computed, and a step that
+        fails after recording is over-counted, never under-counted.
         """
         event = PrivacyEvent(
             self.config.mechanism,
@@ -156,7 +157,7 @@ class GEPStep:
             party=self.party,
             round=self.round,
         )
-        self.ledger.check_budget([event])
+        self.ledger.record(event)
         refreshed = None
         needs_basis = self.mechanism.uses_subspace and not self._external_subspace
         if needs_basis and (
@@ -168,7 +169,6 @@ class GEPStep:
         noisy = self.mechanism.add_noise(sums, self.config.noise_multiplier, self.noise)
         estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
         write_gradient(self.model, self.layout, estimate)
-        self.ledger.record(event)
         self._steps_since_refresh += 1
         return StepReport(refreshed, self.mechanism)
 

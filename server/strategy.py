@@ -235,7 +235,6 @@ class GEPStrategy(Strategy):
                 "round": rnd,
                 **{f"test_{k}": v for k, v in evaluation.items()},
                 "epsilon": self.server.ledger.epsilon(),
-                "epsilon_pld": self.server.ledger.epsilon("pld"),
                 "delta": self.cfg.delta,
                 "round_seconds": time.perf_counter() - began,
                 **self._round_info,

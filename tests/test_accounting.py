@@ -137,3 +137,13 @@ def test_open_continues_an_existing_ledger_and_refuses_a_different_delta(tmp_pat
     assert again.steps == 5
     with pytest.raises(LedgerError, match="delta"):
         PrivacyLedger.open(path, 1e-6, 8.0, "s")
+
+
+def test_two_writers_of_one_ledger_cannot_drop_each_others_releases(tmp_path):
+    path = tmp_path / "site.json"
+    PrivacyLedger(1e-5, path=path).save()
+    first, second = PrivacyLedger.load(path), PrivacyLedger.load(path)
+    first.record(PrivacyEvent("gep", 1.0, 0.1, 1))
+    with pytest.raises(LedgerError, match="changed by another process"):
+        second.record(PrivacyEvent("gep", 1.0, 0.1, 1))
+    assert PrivacyLedger.load(path).steps == 1

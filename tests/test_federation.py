@@ -97,7 +97,7 @@ def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, d
     ledger_path = server.ledger.path
     from gep_fed.ledger import PrivacyLedger
 
-    PrivacyLedger(1e-5, 8.0, server.ledger.owner, ledger_path).save()
+    ledger_path.write_text(PrivacyLedger(1e-5, 8.0, server.ledger.owner).to_json())
     again = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
     assert again.resume() == 1
     assert again.ledger.steps == 1 and PrivacyLedger.load(ledger_path).steps == 1

@@ -39,7 +39,7 @@ def fresh_epsilon(sigma_accounted: float, q: float, steps: int, delta: float) ->
 def initial_weights(fed: FederationConfig) -> torch.Tensor:
     torch.manual_seed(fed.seed)
     task = load_task(fed.task, num_public=fed.num_public, seed=fed.seed)
-    model = task.model_spec(fed.model).build()
+    model = task.model_spec(fed.model_kind).build()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
