@@ -1,4 +1,4 @@
-"""Run a federation on the Flower Simulation Engine from Python."""
+"""Run a federation on the Flower Simulation Engine (Ray backend) from Python."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def simulate(
     """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from flwr.simulation import run_simulation
 
     from client.app import make_client_app
@@ -44,19 +45,28 @@ def simulate(
     done: dict = {}
     began = time.perf_counter()
     logging.getLogger("gep_fed").setLevel(logging.INFO)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        run_simulation(
-            server_app=make_server_app(
-                fed, progress, on_round, on_done=lambda strategy: done.update(strategy=strategy)
-            ),
-            client_app=make_client_app(fed),
-            num_supernodes=fed.num_sites,
-            backend_config={
-                "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
-                "init_args": {"num_cpus": max(1, os.cpu_count() or 1), "include_dashboard": False},
-            },
-        )
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    flwr_log.setLevel(logging.ERROR)  # Flower's deprecation notice and debug chatter
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            run_simulation(
+                server_app=make_server_app(
+                    fed, progress, on_round, on_done=lambda strategy: done.update(strategy=strategy)
+                ),
+                client_app=make_client_app(fed),
+                num_supernodes=fed.num_sites,
+                backend_config={
+                    "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
+                    "init_args": {
+                        "num_cpus": max(1, os.cpu_count() or 1),
+                        "include_dashboard": False,
+                    },
+                },
+            )
+    finally:
+        flwr_log.setLevel(level)
     strategy = done.get("strategy")
     if strategy is None:
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")

@@ -1,0 +1,224 @@
+"""Compare private training setups on the same data, sites and seeds.
+
+The matrix: non-private FedAvg; GP, B-GEP and GEP in central and client-side mode at each
+epsilon; and, as the reference a federation is measured against, centralised GEP and GP on
+the pooled data on one machine (same steps and sampling rate as central mode). Writes one
+Markdown table and one plot; every run keeps its own run directory.
+
+    gep-fed compare --task mnist --partition dirichlet --epsilons 2 8
+    python -m simulations.compare --help      # same options
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from gep_fed.config import FederationConfig
+from gep_fed.federation import noise_multiplier_for
+from gep_fed.noise import NoiseSource
+from gep_fed.tasks import load_task
+from gep_fed.training import OptimizerConfig, evaluate, train_private
+from simulations.runner import simulate
+
+MECHANISMS = ("gp", "bgep", "gep")
+MODES = ("central", "client")
+
+
+def matrix(base: FederationConfig, epsilons: list[float]) -> list[tuple[str, FederationConfig]]:
+    """(label, config) for every federated run of the comparison."""
+    runs = [
+        (
+            "FedAvg (non-private)",
+            replace(
+                base,
+                mode="client",
+                mechanism="gp",
+                noise_multiplier=0.0,
+                clip_norm=1e6,
+                run_name="",
+            ),
+        )
+    ]
+    for eps in epsilons:
+        for mode in MODES:
+            for mech in MECHANISMS:
+                runs.append(
+                    (
+                        f"{mech.upper()} {mode}",
+                        replace(
+                            base,
+                            mode=mode,
+                            mechanism=mech,
+                            target_epsilon=eps,
+                            noise_multiplier=None,
+                            run_name="",
+                        ),
+                    )
+                )
+    return runs
+
+
+def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
+    """GEP or GP on the pooled data on one machine, accounted like central mode."""
+    fed = replace(
+        base, mode="central", mechanism=mechanism, target_epsilon=eps, noise_multiplier=None
+    )
+    task = load_task(fed.task, fed.data_dir, fed.num_public, fed.medmnist_path or None, fed.seed)
+    torch.manual_seed(fed.seed)
+    model = task.model_spec(fed.model_kind).build()
+    sigma = noise_multiplier_for(fed)
+    x, y = task.tensors(task.train)
+    test = task.tensors(task.test)
+    gen = torch.Generator().manual_seed(fed.seed)
+    began = time.perf_counter()
+    result = train_private(
+        model,
+        x,
+        y,
+        task.public_tensor(),
+        replace(fed.gep_config(sigma), basis_refresh=fed.basis_refresh),
+        fed.rounds,
+        OptimizerConfig(lr=fed.server_lr, momentum=fed.server_momentum),
+        delta=fed.delta,
+        generator=gen,
+        noise=NoiseSource(fed.noise_seed),
+        evaluate_fn=lambda m: evaluate(m, *test),
+    )
+    final = evaluate(model, *test)
+    return {
+        "test_accuracy": final["accuracy"],
+        "test_auc": final.get("auc"),
+        "epsilon": result.epsilon,
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def run_comparison(
+    base: FederationConfig,
+    epsilons: list[float],
+    out_dir: str | Path = "comparisons",
+    central_reference: bool = True,
+    name: str | None = None,
+) -> str:
+    """Run the matrix; write ``<out>/<name>.md``, ``.json`` and ``.png``; return the table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-{base.task}"
+    rows = []
+    runs = matrix(base, epsilons)
+    for i, (label, fed) in enumerate(runs, 1):
+        eps = None if fed.noise_multiplier == 0 else fed.target_epsilon
+        print(f"[{i}/{len(runs)}] {label} epsilon={eps}", file=sys.stderr, flush=True)
+        fed = replace(
+            fed,
+            run_dir=str(out / name / "runs"),
+            run_name=f"{i:02d}-{fed.mode}-{fed.mechanism}-eps{eps}",
+        )
+        res = simulate(fed, progress=False)
+        last = res.metrics[-1] if res.metrics else {}
+        rows.append(
+            {
+                "setup": label,
+                "epsilon": eps,
+                "test_accuracy": last.get("test_accuracy"),
+                "test_auc": last.get("test_auc"),
+                "epsilon_spent": last.get("epsilon"),
+                "rounds": len(res.metrics),
+                "seconds": res.seconds,
+                "run_dir": str(res.run_dir),
+            }
+        )
+    if central_reference:
+        for eps in epsilons:
+            for mech in ("gp", "gep"):
+                print(f"[ref] centralised {mech} epsilon={eps}", file=sys.stderr, flush=True)
+                ref = centralised(base, mech, eps)
+                rows.append(
+                    {
+                        "setup": f"{mech.upper()} centralised (pooled data)",
+                        "epsilon": eps,
+                        "test_accuracy": ref["test_accuracy"],
+                        "test_auc": ref["test_auc"],
+                        "epsilon_spent": ref["epsilon"],
+                        "rounds": base.rounds,
+                        "seconds": ref["seconds"],
+                        "run_dir": "",
+                    }
+                )
+    table = _table(base, rows)
+    (out / f"{name}.md").write_text(table)
+    (out / f"{name}.json").write_text(
+        json.dumps({"config": base.to_record(), "rows": rows}, indent=1)
+    )
+    _plot(rows, out / f"{name}.png")
+    return table
+
+
+def _fmt(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _table(base: FederationConfig, rows: list[dict]) -> str:
+    auc = any(r["test_auc"] is not None for r in rows)
+    head = (
+        f"# Comparison: task {base.task}, {base.num_sites} sites ({base.partition}"
+        f"{f', alpha={base.dirichlet_alpha}' if base.partition == 'dirichlet' else ''}), "
+        f"{base.rounds} rounds, q={base.sample_rate}, delta={base.delta}, "
+        f"local steps {base.local_steps} (client mode), k={base.num_basis}\n\n"
+    )
+    cols = (
+        "| setup | epsilon | test accuracy |"
+        + (" test AUC |" if auc else "")
+        + " epsilon spent | rounds | seconds |\n"
+    )
+    sep = "|---|---|---|" + ("---|" if auc else "") + "---|---|---|\n"
+    lines = []
+    for r in rows:
+        eps = "inf" if r["epsilon"] is None else f"{r['epsilon']:g}"
+        spent = "inf" if r["epsilon"] is None else _fmt(r["epsilon_spent"], 3)
+        lines.append(
+            f"| {r['setup']} | {eps} | {_fmt(r['test_accuracy'])} |"
+            + (f" {_fmt(r['test_auc'])} |" if auc else "")
+            + f" {spent} | {r['rounds']} | {r['seconds']:.0f} |"
+        )
+    return head + cols + sep + "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setups = list(dict.fromkeys(r["setup"] for r in rows if r["epsilon"] is not None))
+    epsilons = sorted({r["epsilon"] for r in rows if r["epsilon"] is not None})
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    width = 0.8 / max(1, len(epsilons))
+    for j, eps in enumerate(epsilons):
+        values = [
+            next((r["test_accuracy"] for r in rows if r["setup"] == s and r["epsilon"] == eps), 0)
+            for s in setups
+        ]
+        ax.bar([i + j * width for i in range(len(setups))], values, width, label=f"eps={eps:g}")
+    for r in rows:
+        if r["epsilon"] is None:
+            ax.axhline(r["test_accuracy"], color="k", ls="--", lw=1, label=r["setup"])
+    ax.set_xticks([i + width * (len(epsilons) - 1) / 2 for i in range(len(setups))])
+    ax.set_xticklabels(setups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("test accuracy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    from gep_fed.cli import main
+
+    sys.exit(main(["compare", *sys.argv[1:]]))

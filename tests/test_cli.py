@@ -1,0 +1,75 @@
+"""The gep-fed command line, run as a user runs it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gep_fed.cli import build_parser
+
+GEP_FED = Path(sys.executable).parent / "gep-fed"
+
+
+def gep_fed(*args, check=True):
+    proc = subprocess.run([str(GEP_FED), *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path):
+    proc = gep_fed("simulate", "--rounds", "2", "--run-dir", str(tmp_path))
+    assert "test accuracy" in proc.stdout and "epsilon spent (each site)" in proc.stdout
+    assert "wall time" in proc.stdout
+    run_dir = Path(proc.stdout.split("run directory:")[1].split()[0])
+    assert run_dir.parent == tmp_path
+    for name in (
+        "config.json",
+        "metrics.jsonl",
+        "ledger.json",
+        "model.pt",
+        "report.md",
+        "accuracy.png",
+        "epsilon.png",
+        "projection_error.png",
+    ):
+        assert (run_dir / name).exists(), name
+    report = (run_dir / "report.md").read_text()
+    assert "mode **client**, mechanism **gep**" in report and "site `site-0`" in report
+    (run_dir / "report.md").unlink()
+    assert gep_fed("report", str(run_dir)).stdout.strip() == str(run_dir / "report.md")
+    assert (run_dir / "report.md").read_text() == report
+
+
+def test_calibrate_prints_sigma_and_refuses_impossible_targets():
+    out = gep_fed("calibrate", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "1000").stdout
+    assert "sigma =" in out
+    spent = float(out.split("RDP ")[1].split(",")[0])
+    assert 1.99 <= spent <= 2.0
+    bad = gep_fed(
+        "calibrate", "--epsilon", "0.001", "--sample-rate", "1", "--steps", "10000", check=False
+    )
+    assert bad.returncode == 2 and "out of reach" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate", "--mode", "trusted"], "mode must be one of"),
+        (["simulate", "--sample-rate", "2"], "sample_rate must be <= 1"),
+        (["simulate", "--noise-multiplier", "lots"], "--noise-multiplier must be a number"),
+        (["report", "/nonexistent/run"], "not a gep-fed run directory"),
+    ],
+)
+def test_bad_values_get_an_error_that_names_them(args, message):
+    proc = gep_fed(*args, check=False)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_every_simulate_option_has_help_text():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["simulate"]
+    options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 30
+    assert all(a.help and not a.help.startswith(" (default") for a in options)

@@ -1,0 +1,150 @@
+"""Loaders on the real shared files and on malformed files; partitions; tasks."""
+
+import gzip
+
+import numpy as np
+import pytest
+from conftest import shared_file
+
+from gep_fed.data import (
+    DataError,
+    load_digits,
+    load_kmnist,
+    load_medmnist,
+    load_mnist,
+    mnist_split,
+    read_idx,
+    sample_photo_patches,
+)
+from gep_fed.partition import partition_indices
+from gep_fed.site import load_site_file
+from gep_fed.tasks import load_task
+
+
+def test_mnist_idx_files_load_with_the_documented_class_counts():
+    root = shared_file("mnist/MNIST/raw/t10k-images-idx3-ubyte.gz").parents[2]
+    ds = load_mnist(root)
+    assert ds.images.shape == (10000, 28, 28) and ds.images.dtype == np.uint8
+    assert np.bincount(ds.labels).tolist() == [
+        980,
+        1135,
+        1032,
+        1010,
+        982,
+        892,
+        958,
+        1028,
+        974,
+        1009,
+    ]
+    train, test = mnist_split(ds)
+    assert (len(train), len(test)) == (8000, 2000)
+    perm = np.random.default_rng(0).permutation(10000)
+    assert np.array_equal(test.labels, ds.labels[perm[8000:]])
+
+
+def test_kmnist_and_pneumoniamnist_load():
+    kmnist = load_kmnist(shared_file("kmnist/kmnist-test-imgs.npz").parent)
+    assert kmnist.images.shape == (10000, 28, 28) and np.bincount(kmnist.labels).min() == 1000
+    splits = load_medmnist(shared_file("medmnist/pneumoniamnist.npz"))
+    assert {k: np.bincount(v.labels).tolist() for k, v in splits.items()} == {
+        "train": [1214, 3494],
+        "val": [135, 389],
+        "test": [234, 390],
+    }
+
+
+def test_medmnist_loader_accepts_rgb_files(tmp_path):
+    path = tmp_path / "rgb.npz"
+    arrays = {f"{s}_images": np.zeros((4, 28, 28, 3), np.uint8) for s in ("train", "val", "test")}
+    arrays.update({f"{s}_labels": np.zeros((4, 1), np.uint8) for s in ("train", "val", "test")})
+    np.savez(path, **arrays)
+    assert load_medmnist(path)["train"].images.shape == (4, 28, 28, 3)
+
+
+def test_truncated_idx_file_is_named_with_what_was_expected(tmp_path):
+    good = shared_file("mnist/MNIST/raw/t10k-labels-idx1-ubyte.gz")
+    raw = gzip.decompress(good.read_bytes())
+    bad = tmp_path / "t10k-labels-idx1-ubyte"
+    bad.write_bytes(raw[:5000])
+    with pytest.raises(
+        DataError, match=r"t10k-labels-idx1-ubyte declares shape \[10000\].*truncated"
+    ):
+        read_idx(bad)
+
+
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        (b"\x00\x00\x09\x99" + b"\x00" * 20, "magic number"),
+        (b"\x1f\x8b\x00garbage", "cannot read"),
+        (b"abc", "too short"),
+    ],
+)
+def test_malformed_idx_files_are_refused(tmp_path, payload, problem):
+    path = tmp_path / "file.idx"
+    path.write_bytes(payload)
+    with pytest.raises(DataError, match=problem):
+        read_idx(path)
+
+
+def test_missing_and_malformed_npz_files_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_medmnist(tmp_path / "nope.npz")
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(DataError, match=r"broken\.npz"):
+        load_medmnist(broken)
+    partial = tmp_path / "partial.npz"
+    np.savez(partial, train_images=np.zeros((2, 28, 28), np.uint8))
+    with pytest.raises(DataError, match="no array 'train_labels'"):
+        load_medmnist(partial)
+    with pytest.raises(DataError, match="no MNIST test files"):
+        load_mnist(tmp_path)
+
+
+def test_site_data_file_is_validated(tmp_path):
+    good = tmp_path / "site.npz"
+    np.savez(good, images=np.zeros((5, 8, 8), np.uint8), labels=np.arange(5))
+    assert len(load_site_file(good)) == 5
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, x=np.zeros(3))
+    with pytest.raises(DataError, match="expected 'images' and 'labels'"):
+        load_site_file(wrong)
+    floats = tmp_path / "floats.npz"
+    np.savez(floats, images=np.zeros((5, 8, 8), np.float32), labels=np.arange(5))
+    with pytest.raises(DataError, match="uint8"):
+        load_site_file(floats)
+
+
+def test_bundled_default_data_needs_no_download():
+    digits = load_digits()
+    assert digits.images.shape == (1797, 8, 8) and digits.num_classes == 10
+    patches = sample_photo_patches(50, 8, seed=1)
+    assert patches.shape == (50, 8, 8) and patches.std() > 5
+    task = load_task("digits", num_public=100)
+    assert len(task.train) + len(task.test) == 1797 and task.public.shape == (100, 8, 8)
+
+
+def label_skew(labels, parts):
+    """Mean total-variation distance between each site's label mix and the pooled one."""
+    pooled = np.bincount(labels, minlength=10) / len(labels)
+    return np.mean(
+        [0.5 * np.abs(np.bincount(labels[p], minlength=10) / len(p) - pooled).sum() for p in parts]
+    )
+
+
+def test_partitions_are_disjoint_complete_seeded_and_dirichlet_is_skewed():
+    labels = load_digits().labels
+    iid = partition_indices(labels, 3, "iid", seed=0)
+    skewed = partition_indices(labels, 3, "dirichlet", alpha=0.3, seed=0)
+    for parts in (iid, skewed):
+        together = np.concatenate(parts)
+        assert len(together) == len(labels) == len(np.unique(together))
+    assert label_skew(labels, skewed) > 3 * label_skew(labels, iid)
+    again = partition_indices(labels, 3, "dirichlet", alpha=0.3, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(skewed, again, strict=True))
+    more_skew = partition_indices(labels, 3, "dirichlet", alpha=0.05, seed=0)
+    assert label_skew(labels, more_skew) > label_skew(labels, skewed)
+    with pytest.raises(ValueError, match="partition must be one of"):
+        partition_indices(labels, 3, "shards")
