@@ -159,6 +159,17 @@ class Mechanism(ABC):
         return total / expected_batch_size
 
 
+def row_norms(matrix: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Float64 L2 norm of each row, converting ``block`` rows at a time: exact enough to
+    clip by, without a float64 copy of the whole (n, p) matrix."""
+    out = torch.empty(matrix.shape[0], dtype=torch.float64, device=matrix.device)
+    for start in range(0, matrix.shape[0], block):
+        out[start : start + block] = torch.linalg.vector_norm(
+            matrix[start : start + block], dim=1, dtype=torch.float64
+        )
+    return out
+
+
 def _scale(norms: torch.Tensor, bound: float) -> torch.Tensor:
     """``min(1, bound / norm)``, with zero vectors left unscaled."""
     return (bound / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp_max(1.0)
@@ -200,17 +211,17 @@ class GEP(Mechanism):
 
     def clip(self, grads, subspace):
         emb = subspace.embed(grads)
-        emb_norm2 = torch.linalg.vector_norm(emb, dim=1, dtype=torch.float64) ** 2
+        emb_norm2 = row_norms(emb) ** 2
         grad_norm2 = grads.new_zeros(grads.shape[0], dtype=torch.float64)
         slack = torch.zeros_like(grad_norm2)
         # Fused residual norm: ||g - B w||^2 = ||g||^2 - ||w||^2 for orthonormal B, no (n, p)
         # residual matrix. The terms below bound what float rounding and a not exactly
         # orthonormal B can add, so the estimate is an upper bound on the true residual norm.
         for (cols, ks), basis in zip(subspace.group_slices(), subspace.bases, strict=True):
-            g2 = torch.linalg.vector_norm(grads[:, cols], dim=1, dtype=torch.float64) ** 2
+            g2 = row_norms(grads[:, cols]) ** 2
             grad_norm2 += g2
             err = _ROUNDING_SAFETY * _U32 * math.sqrt(basis.shape[0] * basis.shape[1])
-            w_norm = torch.linalg.vector_norm(emb[:, ks], dim=1, dtype=torch.float64)
+            w_norm = row_norms(emb[:, ks])
             slack += 2.0 * w_norm * err * g2.sqrt()
         ortho = subspace.orthonormality_error
         resid2 = (grad_norm2 - emb_norm2).clamp_min(0) + ortho * emb_norm2 + slack
@@ -253,7 +264,7 @@ class BGEP(Mechanism):
 
     def clip(self, grads, subspace):
         emb = subspace.embed(grads)
-        norms = torch.linalg.vector_norm(emb, dim=1, dtype=torch.float64)
+        norms = row_norms(emb)
         return PerExampleClipping(emb, _scale(norms, self.clip_embedding).to(grads.dtype), None)
 
     def sums(self, grads, subspace, clipping):
@@ -284,7 +295,7 @@ class GP(Mechanism):
         return None, noise_multiplier * self.clip_norm
 
     def clip(self, grads, subspace):
-        norms = torch.linalg.vector_norm(grads, dim=1, dtype=torch.float64)
+        norms = row_norms(grads)
         return PerExampleClipping(None, None, _scale(norms, self.clip_norm).to(grads.dtype))
 
     def sums(self, grads, subspace, clipping):
