@@ -14,14 +14,15 @@ Two schedules:
   (Feldman et al. 2020, Theorem 3.1) gives ``(alpha, 2 alpha eta^2 G^2 F / beta0)``-RDP with
   ``F = max_tau 1 / (b_tau^2 sum_{t >= tau} 1/t)``, which is up to 2 for these sizes (the paper's
   proof drops the 2 in ``b_t``). We account with the exact F: one Gaussian mechanism of noise
-  multiplier ``sqrt(beta0 / (4 eta^2 G^2 F))``. Amplification by iteration needs a convex, L-smooth
-  loss with ``eta <= 2 / L``; the trainer therefore accepts linear models only.
-- **multi pass** (Theorem 2's schedule): ``eta_t = sqrt(beta0) / (G sqrt(8 ln(2.5 t^2 / (n delta)) t))``,
-  ``lambda_1 = 1 / eta_1``, ``lambda_t = 1/eta_t - 1/eta_{t-1}``, on Poisson samples of expected
-  size ``batch``. Every iterate is released, and each step is accounted as what it is: a
-  Poisson-subsampled Gaussian mechanism on ``(1 - lambda_t eta_t) eta_t sum_i clip(g_i) / batch`` with
-  noise ``sqrt(lambda_t eta_t (2 - lambda_t eta_t) beta0)`` (composed by dp-accounting; the paper's own
-  bound uses advanced composition instead). Noise multipliers are rounded *down* to three
+  multiplier ``sqrt(beta0 / (4 eta^2 G^2 F))``. Amplification by iteration needs a convex,
+  L-smooth loss with ``eta <= 2 / L``; the trainer therefore accepts linear models only.
+- **multi pass** (Theorem 2's schedule):
+  ``eta_t = sqrt(beta0) / (G sqrt(8 ln(2.5 t^2 / (n delta)) t))``, ``lambda_1 = 1 / eta_1``,
+  ``lambda_t = 1/eta_t - 1/eta_{t-1}``, on Poisson samples of expected size ``batch``. Every
+  iterate is released, and each step is accounted as what it is: a Poisson-subsampled Gaussian
+  mechanism on ``(1 - lambda_t eta_t) eta_t sum_i clip(g_i) / batch`` with noise
+  ``sqrt(lambda_t eta_t (2 - lambda_t eta_t) beta0)`` (composed by dp-accounting; the paper's
+  own bound uses advanced composition instead). Noise multipliers are rounded *down* to three
   significant digits so equal steps merge; rounding down only over-states the privacy cost.
 """
 

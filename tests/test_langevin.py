@@ -21,7 +21,8 @@ from gep_fed.per_example import IncompatibleModelError
 
 def direct_bound(alpha, eta, G, beta0, sizes):
     """Feldman et al. (2020) Thm 3.1 as the paper applies it, evaluated term by term:
-    max over tau of 2 alpha eta G^2 / (b_tau^2 beta0 sum_{t>=tau} lambda_t), lambda_t = 1/(t eta)."""
+    max over tau of 2 alpha eta G^2 / (b_tau^2 beta0 sum_{t>=tau} lambda_t),
+    lambda_t = 1/(t eta)."""
     T = len(sizes)
     return max(
         2
