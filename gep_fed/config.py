@@ -124,6 +124,7 @@ def _integer(name: str, value: object, low: int) -> None:
 
 
 MODES = ("central", "client")
+FEDERATED_MECHANISMS = (*MECHANISMS, "langevin")
 
 
 def _opt(default, help_text: str):
@@ -166,7 +167,9 @@ class FederationConfig:
     """
 
     task: str = _opt("digits", "data set: digits (bundled, offline), mnist, pneumonia, medmnist")
-    model: str = _opt("auto", "architecture: auto (mlp for digits, cnn otherwise), cnn, mlp")
+    model: str = _opt(
+        "auto", "architecture: auto (mlp for digits, cnn otherwise), cnn, mlp, linear"
+    )
     data_dir: str = _opt("../shared/data", "folder with mnist/, kmnist/, medmnist/")
     medmnist_path: str = _opt("", "a MedMNIST <flag>.npz for task medmnist")
     num_sites: int = _opt(3, "number of sites (simulated SuperNodes)")
@@ -178,7 +181,11 @@ class FederationConfig:
         "client: each site noises its own updates and keeps its own ledger (untrusted "
         "server); central: sites send unnoised clipped sums, the trusted server adds the noise",
     )
-    mechanism: str = _opt("gep", "gep (unbiased, two releases per step), bgep, or gp (DP-SGD)")
+    mechanism: str = _opt(
+        "gep",
+        "gep (unbiased, two releases per step), bgep, gp (DP-SGD), or langevin (noisy SGD "
+        "with a Gaussian prior; client mode, --model linear)",
+    )
     target_epsilon: float = _opt(
         8.0,
         "privacy budget epsilon: the run stops before exceeding it and, unless "
@@ -202,7 +209,10 @@ class FederationConfig:
     )
     clip_embedding: float = _opt(1.0, "S1: bound on each example's embedding norm (noise sigma*S1)")
     clip_residual: float = _opt(1.0, "S2: bound on each example's residual norm (noise sigma*S2)")
-    clip_norm: float = _opt(1.0, "S: bound on each example's gradient norm for gp")
+    clip_norm: float = _opt(1.0, "S: bound on each example's gradient norm (gp; G for langevin)")
+    langevin_beta0: float = _opt(
+        1.0, "langevin prior variance beta0: larger adds more noise per step (more private)"
+    )
     num_basis: int = _opt(64, "k: anchor-subspace dimension (public; no privacy cost)")
     num_anchors: int | None = _opt(None, "m: anchors used per subspace (default: all public data)")
     power_iterations: int = _opt(1, "t: power-method passes per subspace")
@@ -236,7 +246,7 @@ class FederationConfig:
         _choice("task", self.task, TASKS)
         _choice("model", self.model, ("auto", *MODELS))
         _choice("mode", self.mode, MODES)
-        _choice("mechanism", self.mechanism, MECHANISMS)
+        _choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
         _choice("partition", self.partition, PARTITIONS)
         _choice("basis_dtype", self.basis_dtype, BASIS_DTYPES)
         _choice("device", self.device, DEVICES)
@@ -273,6 +283,11 @@ class FederationConfig:
             _number(name, getattr(self, name), low=0)
         for name in ("local_momentum", "server_momentum"):
             _number(name, getattr(self, name), low=0, high=0.999, low_open=False)
+        if self.mechanism == "langevin" and (self.mode != "client" or self.model_kind != "linear"):
+            raise ConfigError(
+                "mechanism langevin runs in client mode on a linear model only (its guarantee "
+                "needs a convex loss): use --mode client --model linear"
+            )
         if self.min_sites > self.num_sites:
             raise ConfigError(
                 f"min_sites ({self.min_sites}) cannot exceed num_sites ({self.num_sites})"
@@ -301,8 +316,9 @@ class FederationConfig:
         return str(Path(self.run_dir) / (self.run_name or f"run-{run_id}"))
 
     def gep_config(self, noise_multiplier: float) -> GEPConfig:
+        """The step configuration (langevin steps clip like gp and add their own noise)."""
         return GEPConfig(
-            mechanism=self.mechanism,
+            mechanism="gp" if self.mechanism == "langevin" else self.mechanism,
             noise_multiplier=noise_multiplier,
             sample_rate=self.sample_rate,
             num_basis=self.num_basis,

@@ -84,7 +84,9 @@ class FederationServer:
         self.model = self.model_spec.build().to(self.device)
         self.layout = ParameterLayout.from_model(self.model)
         self.total_examples = total_examples
-        self.sigma = noise_multiplier_for(cfg)
+        # Langevin sites add their own noise from beta0 and account per step themselves.
+        self.langevin = cfg.mechanism == "langevin"
+        self.sigma = 0.0 if self.langevin else noise_multiplier_for(cfg)
         self.gep = cfg.gep_config(self.sigma)
         self.mechanism = make_mechanism(self.gep)
         self.public = task.public_tensor().to(self.device)
@@ -107,6 +109,8 @@ class FederationServer:
 
     def round_events(self, round_: int) -> list[PrivacyEvent]:
         """The releases one round makes (per site in client mode)."""
+        if self.langevin:  # step-dependent and site-size-dependent: the sites' ledgers count
+            return []
         party = "federation" if self.cfg.mode == "central" else "each-site"
         n = 1 if self.cfg.mode == "central" else self.cfg.local_steps
         return [
@@ -162,6 +166,7 @@ class FederationServer:
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
             model_spec=self.model_spec.to_json(),
+            langevin_beta0=cfg.langevin_beta0 if self.langevin else 0.0,
         )
         return RoundPlan(
             rc,

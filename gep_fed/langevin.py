@@ -212,12 +212,13 @@ class LangevinTrainer:
             )
         ]
 
-    def fit(self, x: torch.Tensor, y: torch.Tensor) -> list[int]:
+    def fit(self, x: torch.Tensor, y: torch.Tensor, first_step: int = 1) -> list[torch.Tensor]:
         """Train on ``(x, y)``; returns the indices used per step (single pass: each at most
-        once). The privacy cost is recorded before training starts."""
+        once). The privacy cost is recorded before training starts. ``first_step`` continues a
+        multi-pass schedule (e.g. across federated rounds)."""
         if self.config.schedule == "single-pass":
             return self._single_pass(x, y)
-        return self._multi_pass(x, y)
+        return self._multi_pass(x, y, first_step)
 
     def _single_pass(self, x, y) -> list[torch.Tensor]:
         c, n = self.config, len(x)

@@ -20,6 +20,7 @@ from torch import nn
 from gep_fed.accounting import PrivacyEvent
 from gep_fed.config import DEVICES, ConfigError, FederationConfig, GEPConfig
 from gep_fed.data import ArrayDataset, DataError
+from gep_fed.langevin import LangevinConfig, LangevinTrainer
 from gep_fed.ledger import PrivacyLedger
 from gep_fed.mechanisms import ClippedSums
 from gep_fed.noise import NoiseSource
@@ -114,6 +115,8 @@ class Site:
         """
         if self.ledger is None:
             raise ValueError(f"site {self.site_id}: client-side mode needs the site's ledger")
+        if rc.mechanism == "langevin":
+            return self._langevin_update(rc)
         events = [
             PrivacyEvent(
                 rc.mechanism,
@@ -147,6 +150,36 @@ class Site:
             step(self.inputs[idx], self.targets[idx])
             opt.step()
         return layout.flatten_params(self.model) - before
+
+    def _langevin_update(self, rc: RoundConfig) -> torch.Tensor:
+        """Multi-pass Langevin steps continuing the schedule across rounds (step index
+        ``(round - 1) * local_steps + 1`` onward), each accounted in the site's ledger."""
+        layout = rc.parameter_layout()
+        before = layout.flatten_params(self.model).clone()
+        trainer = LangevinTrainer(
+            self.model,
+            _langevin_config(rc, self.num_examples),
+            ledger=self.ledger,
+            noise=self.noise,
+            generator=self.sampler_generator,
+            party=self.site_id,
+        )
+        first = (rc.round - 1) * rc.local_steps + 1
+        self.ledger.check_budget(
+            trainer.multi_pass_events(self.num_examples, first, rc.local_steps)
+        )
+        trainer.fit(self.inputs, self.targets, first_step=first)
+        return layout.flatten_params(self.model) - before
+
+
+def _langevin_config(rc: RoundConfig, n: int) -> LangevinConfig:
+    return LangevinConfig(
+        schedule="multi-pass",
+        grad_bound=rc.clip_norm,
+        beta0=rc.langevin_beta0,
+        steps=rc.local_steps,
+        batch=max(1, round(rc.sample_rate * n)),
+    )
 
 
 def _gep_config(rc: RoundConfig) -> GEPConfig:

@@ -34,7 +34,7 @@ from gep_fed.data import (
 from gep_fed.models import MLP, MnistCNN
 
 TASKS = ("digits", "mnist", "pneumonia", "medmnist")
-MODELS = ("cnn", "mlp")
+MODELS = ("cnn", "mlp", "linear")
 # Normalisation constants are declared, never measured on private data.
 GENERIC_MEAN, GENERIC_STD = 0.5, 0.5
 
@@ -58,8 +58,9 @@ class ModelSpec:
         return self.image_shape[2] if len(self.image_shape) == 3 else 1
 
     def build(self) -> nn.Module:
-        if self.kind == "mlp":
-            return MLP(int(np.prod(self.image_shape)), self.num_classes, hidden=(64,))
+        if self.kind in ("mlp", "linear"):
+            hidden = (64,) if self.kind == "mlp" else ()
+            return MLP(int(np.prod(self.image_shape)), self.num_classes, hidden=hidden)
         return MnistCNN(self.channels, self.num_classes, image_size=self.image_shape[0])
 
     def to_json(self) -> str:

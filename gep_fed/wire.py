@@ -84,7 +84,7 @@ class RoundConfig:
         round: the federated round (from 1).
         mode: "central" (site sends unnoised clipped sums to a trusted server) or "client"
             (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta).
-        mechanism: "gep", "bgep" or "gp".
+        mechanism: "gep", "bgep", "gp" or "langevin".
         sample_rate: q, every site's Poisson sampling rate.
         noise_multiplier: sigma (client mode: applied by the site).
         clip_embedding, clip_residual, clip_norm: S1, S2 (GEP/B-GEP) and S (GP).
@@ -111,6 +111,7 @@ class RoundConfig:
     basis_dtype: str
     layout: str
     model_spec: str
+    langevin_beta0: float = 0.0
     protocol: int = PROTOCOL_VERSION
 
     def to_record(self) -> dict:
@@ -119,7 +120,8 @@ class RoundConfig:
     @classmethod
     def from_record(cls, record: Mapping, sender: str = "server") -> RoundConfig:
         values = dict(record)
-        missing = [f.name for f in fields(cls) if f.name not in values and f.name != "protocol"]
+        optional = {"protocol", "langevin_beta0"}
+        missing = [f.name for f in fields(cls) if f.name not in values and f.name not in optional]
         if missing:
             raise WireError(sender, ROUND_CONFIG, f"missing keys {missing}")
         _check_protocol(sender, ROUND_CONFIG, values.get("protocol"))
