@@ -1,0 +1,80 @@
+"""End to end: the deployment guide's own commands, on loopback, with TLS and SuperNode
+authentication: a real SuperLink, three SuperNodes, `flwr run` in central and client mode."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gep_fed.ledger import PrivacyLedger
+from gep_fed.rundir import RunDirectory
+
+ROOT = Path(__file__).parents[1]
+GUIDE = ROOT / "docs" / "deployment.md"
+
+
+def guide_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), flags=re.S)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_bash(script: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
+    for tool in ("openssl", "ssh-keygen"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            pytest.skip(f"{tool} is needed to make the test certificates and keys")
+    blocks = guide_blocks()
+    assert len(blocks) >= 7 and "stop.sh" in blocks[-1]
+    env = {
+        **os.environ,
+        "DEPLOY": str(tmp_path / "federation"),
+        "PORT": str(free_port()),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    try:
+        done = run_bash("\n".join(blocks[:-1]), env, timeout=1200)
+        log = done.stdout[-4000:] + done.stderr[-4000:]
+        assert done.returncode == 0, log
+    finally:
+        run_bash(blocks[-1], env, timeout=60)
+    deploy = tmp_path / "federation"
+    for pidfile in (deploy / "pids").glob("*.pid"):
+        raise AssertionError(f"{pidfile} left behind: a process was not stopped")
+    leftovers = subprocess.run(["pgrep", "-f", str(deploy)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "processes of the federation still run"
+
+    central = RunDirectory.open(deploy / "runs" / "central")
+    rows = central.read_metrics()
+    assert [r["round"] for r in rows] == [1, 2] and all(r["sites_ok"] == 3 for r in rows)
+    assert PrivacyLedger.load(central.ledger_path).steps == 2
+    client = RunDirectory.open(deploy / "runs" / "client")
+    assert [r["sites_ok"] for r in client.read_metrics()] == [3, 3]
+    for site in range(3):
+        ledger = PrivacyLedger.load(deploy / "ledgers" / f"site-{site}.json")
+        assert ledger.owner == f"site-{site}" and ledger.steps == 2 * 3
+        assert ledger.epsilon() <= 8.0
+    assert (
+        "TLS" in GUIDE.read_text()
+        and "--enable-supernode-auth" in (ROOT / "deploy" / "start-superlink.sh").read_text()
+    )
