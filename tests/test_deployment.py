@@ -78,3 +78,64 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
         "TLS" in GUIDE.read_text()
         and "--enable-supernode-auth" in (ROOT / "deploy" / "start-superlink.sh").read_text()
     )
+
+
+def wait_for_round(run_dir: Path, rnd: int, timeout: float = 300) -> list[dict]:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            rows = RunDirectory(run_dir).read_metrics()
+            if rows and rows[-1]["round"] >= rnd:
+                return rows
+        time.sleep(1)
+    raise AssertionError(f"round {rnd} did not finish in {timeout} s")
+
+
+def kill_group(pidfile: Path) -> None:
+    pid = int(pidfile.read_text())
+    subprocess.run(["kill", "-KILL", "--", f"-{pid}"], check=False)
+    pidfile.unlink()
+
+
+@pytest.mark.slow
+def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_path):
+    for tool in ("openssl", "ssh-keygen"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            pytest.skip(f"{tool} is needed to make the test certificates and keys")
+    blocks = guide_blocks()
+    deploy = tmp_path / "federation"
+    env = {**os.environ, "DEPLOY": str(deploy), "PORT": str(free_port()),
+           "FLWR_HOME": str(deploy / "flwr"),  # as block 0 of the guide exports it
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    run_dir = deploy / "runs" / "faults"
+    command = ("flwr run . hospitals --stream --run-config \"mode='central' rounds=4 "
+               "total-examples=1437 min-sites=2 round-timeout=45.0 "
+               f"run-dir='{deploy / 'runs'}' run-name='faults'\"")
+    try:
+        setup = run_bash("\n".join(blocks[:6]), env, timeout=600)  # settings .. SuperNodes
+        assert setup.returncode == 0, setup.stderr[-3000:]
+        first = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_round(run_dir, 1)
+        kill_group(deploy / "pids" / "site-2.pid")  # a hospital goes down mid-run
+        wait_for_round(run_dir, 2)
+        # the coordinator's ServerApp process dies
+        group = int((deploy / "pids" / "superlink.pid").read_text())
+        subprocess.run(["pkill", "-KILL", "-g", str(group), "-f", "flwr-serverapp"], check=False)
+        first.kill()
+        first.wait(timeout=30)
+        again = run_bash(command, env, timeout=600)  # restart: resumes from the checkpoint
+        assert again.returncode == 0, again.stderr[-3000:]
+    finally:
+        run_bash(blocks[-1], env, timeout=60)
+    rows = RunDirectory(run_dir).read_metrics()
+    rounds = [r["round"] for r in rows]
+    assert rounds == sorted(set(rounds)) and rounds[-1] == 4, rounds
+    assert rows[0]["sites_ok"] == 3 and rows[-1]["sites_ok"] == 2
+    assert all(r["applied"] and r["sites_ok"] >= 2 for r in rows)
+    ledger = PrivacyLedger.load(run_dir / "ledger.json")
+    assert [e.round for e in ledger.events] == [1, 2, 3, 4]  # nothing lost, nothing twice
