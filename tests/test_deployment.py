@@ -107,19 +107,30 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_pat
             pytest.skip(f"{tool} is needed to make the test certificates and keys")
     blocks = guide_blocks()
     deploy = tmp_path / "federation"
-    env = {**os.environ, "DEPLOY": str(deploy), "PORT": str(free_port()),
-           "FLWR_HOME": str(deploy / "flwr"),  # as block 0 of the guide exports it
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        **os.environ,
+        "DEPLOY": str(deploy),
+        "PORT": str(free_port()),
+        "FLWR_HOME": str(deploy / "flwr"),  # as block 0 of the guide exports it
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     run_dir = deploy / "runs" / "faults"
-    command = ("flwr run . hospitals --stream --run-config \"mode='central' rounds=4 "
-               "total-examples=1437 min-sites=2 round-timeout=45.0 "
-               f"run-dir='{deploy / 'runs'}' run-name='faults'\"")
+    command = (
+        "flwr run . hospitals --stream --run-config \"mode='central' rounds=4 "
+        "total-examples=1437 min-sites=2 round-timeout=45.0 "
+        f"run-dir='{deploy / 'runs'}' run-name='faults'\""
+    )
     try:
         setup = run_bash("\n".join(blocks[:6]), env, timeout=600)  # settings .. SuperNodes
         assert setup.returncode == 0, setup.stderr[-3000:]
-        first = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        first = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for_round(run_dir, 1)
         kill_group(deploy / "pids" / "site-2.pid")  # a hospital goes down mid-run
         wait_for_round(run_dir, 2)
@@ -139,3 +150,22 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_pat
     assert all(r["applied"] and r["sites_ok"] >= 2 for r in rows)
     ledger = PrivacyLedger.load(run_dir / "ledger.json")
     assert [e.round for e in ledger.events] == [1, 2, 3, 4]  # nothing lost, nothing twice
+
+
+@pytest.mark.parametrize(
+    "script, command",
+    [("start-superlink.sh", "flower-superlink"), ("start-supernode.sh", "flower-supernode")],
+)
+def test_every_flag_the_scripts_pass_exists_in_this_flower(script, command):
+    """Several flags changed in recent Flower releases: check each against --help."""
+    text = (ROOT / "deploy" / script).read_text()
+    flags = set(re.findall(r"(--[a-z][a-z-]+)", text.split(command, 1)[1]))
+    help_text = subprocess.run(
+        [str(Path(sys.executable).parent / command), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert flags and all(flag in help_text for flag in flags), flags - set(
+        re.findall(r"(--[a-z][a-z-]+)", help_text)
+    )

@@ -1,0 +1,155 @@
+"""Bad input at the federation's boundaries: every problem named, nothing recorded lost."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+from gep_fed import wire
+from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.data import DataError
+from gep_fed.federation import FederationServer
+from gep_fed.ledger import LedgerError, PrivacyLedger
+from gep_fed.mechanisms import ClippedSums
+from gep_fed.rundir import RunDirectory
+from gep_fed.site import SiteConfig, load_site_file
+from gep_fed.tasks import load_task
+from server.strategy import GEPStrategy
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_task("digits", num_public=200)
+
+
+def make_server(tmp_path, task, **overrides):
+    settings = dict(
+        num_basis=20,
+        sample_rate=0.2,
+        rounds=3,
+        run_dir=str(tmp_path),
+        run_name="r",
+        mode="central",
+        noise_multiplier=1.0,
+    )
+    settings.update(overrides)
+    fed = FederationConfig(**settings)
+    run = RunDirectory(fed.run_directory(0))
+    run.path.mkdir(parents=True, exist_ok=True)
+    return FederationServer(fed, task, run, total_examples=len(task.train))
+
+
+@pytest.fixture(autouse=True)
+def _flower_task_identity():
+    """Messages are built inside a Flower runtime; set the identity it would set."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+
+
+def reply(to_node: int, content: dict) -> Message:
+    request = Message(content=RecordDict({}), message_type=MessageType.TRAIN, dst_node_id=to_node)
+    return Message(content=RecordDict(content), reply_to=request)
+
+
+def sums_reply(server, node, rnd, embedding=None, residual=None, meta=None):
+    k, p = server.subspace.num_basis, server.layout.size
+    emb = np.zeros(k, np.float32) if embedding is None else embedding
+    res = np.zeros(p, np.float32) if residual is None else residual
+    return reply(
+        node,
+        {
+            wire.CLIPPED_SUMS: ArrayRecord({"embedding": Array(emb), "residual": Array(res)}),
+            wire.REPLY_META: ConfigRecord(meta or wire.reply_meta(rnd, "central")),
+        },
+    )
+
+
+def test_duplicate_and_implausible_replies_are_rejected_and_the_round_goes_on(tmp_path, digits):
+    server = make_server(tmp_path, digits)
+    strategy = GEPStrategy(server, progress=False)
+    strategy._round_info = {}
+    server.plan_round(1)
+    huge = np.full(server.subspace.num_basis, 1e4, np.float32)
+    replies = [
+        sums_reply(server, 7, 1),
+        sums_reply(server, 7, 1),  # the same site twice
+        sums_reply(server, 8, 1, embedding=huge),  # more than clipping allows for any batch
+        sums_reply(server, 9, 1),
+    ]
+    strategy.aggregate_train(1, replies)
+    info = strategy._round_info
+    assert info["sites_ok"] == 2 and info["applied"]
+    assert any("node 7" in r and "duplicate" in r for r in info["rejected"])
+    assert any(
+        "node 8" in r and "clipped-sums.embedding" in r and "not honestly clipped" in r
+        for r in info["rejected"]
+    )
+    assert PrivacyLedger.load(server.ledger.path).steps == 1
+
+
+def test_plausibility_bound_allows_honest_sums(tmp_path, digits):
+    server = make_server(tmp_path, digits)
+    server.plan_round(1)
+    expected = 0.2 * len(digits.train)
+    honest = ClippedSums(
+        torch.full((server.subspace.num_basis,), 0.0),
+        torch.ones(server.layout.size) * 0.2 * expected / server.layout.size**0.5,
+    )
+    server.check_plausible(honest, "site")  # norm = S2 * expected batch: fine
+
+
+@pytest.mark.parametrize(
+    "node_config, problem",
+    [
+        ({"data-path": "/x.npz"}, "ledger-path"),
+        ({}, "data-path"),
+        (
+            {"data-path": "/x.npz", "ledger-path": "/l.json", "epsilon-budget": -1.0},
+            "epsilon-budget",
+        ),
+        ({"data-path": "/x.npz", "ledger-path": "/l.json", "device": "tpu"}, "device"),
+        ({"data-path": "/x.npz", "ledger-path": "/l.json", "colour": "red"}, "colour"),
+    ],
+)
+def test_bad_node_config_is_named(node_config, problem):
+    with pytest.raises(ConfigError, match=problem):
+        SiteConfig.from_node_config(node_config, FederationConfig(), "/tmp/run")
+
+
+def test_unreadable_site_data_file_is_named(tmp_path):
+    path = tmp_path / "site-3.npz"
+    path.write_bytes(b"\x00" * 100)
+    with pytest.raises(DataError, match="site-3.npz"):
+        load_site_file(path)
+    with pytest.raises(DataError, match="does not exist"):
+        load_site_file(tmp_path / "missing.npz")
+
+
+def test_server_refuses_a_corrupted_ledger_and_leaves_it_untouched(tmp_path, digits):
+    server = make_server(tmp_path, digits)
+    server.ledger.record(*server.round_events(1))
+    damaged = server.ledger.path.read_text().replace('"round": 1', '"round": 2')
+    server.ledger.path.write_text(damaged)
+    with pytest.raises(LedgerError, match="checksum"):
+        make_server(tmp_path, digits)
+    assert server.ledger.path.read_text() == damaged
+
+
+def test_noise_seeding_is_recorded_in_the_run_directory(tmp_path):
+    from server.app import build_strategy
+
+    for seed, expected in ((None, "NoiseSource(cryptographic)"), (5, "NoiseSource(seed=5)")):
+        fed = FederationConfig(
+            num_public=100,
+            num_basis=10,
+            run_dir=str(tmp_path),
+            run_name=f"s{seed}",
+            noise_seed=seed,
+        )
+        build_strategy(fed, 0, progress=False)
+        config = json.loads((tmp_path / f"s{seed}" / "config.json").read_text())
+        assert config["noise"] == expected
+        assert config["noise-seed"] == (-1 if seed is None else seed)
