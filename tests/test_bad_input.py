@@ -122,7 +122,7 @@ def test_bad_node_config_is_named(node_config, problem):
 def test_unreadable_site_data_file_is_named(tmp_path):
     path = tmp_path / "site-3.npz"
     path.write_bytes(b"\x00" * 100)
-    with pytest.raises(DataError, match="site-3.npz"):
+    with pytest.raises(DataError, match=r"site-3\.npz"):
         load_site_file(path)
     with pytest.raises(DataError, match="does not exist"):
         load_site_file(tmp_path / "missing.npz")
