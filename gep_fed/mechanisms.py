@@ -118,12 +118,6 @@ class Mechanism(ABC):
             raise ValueError(
                 f"gradients have {grads.shape[1]} columns, layout has {subspace.layout.size}"
             )
-        if not bool(torch.isfinite(grads).all()):
-            bad = int((~torch.isfinite(grads)).any(dim=1).sum())
-            raise NonFiniteGradientError(
-                f"{bad} example(s) have non-finite gradients (NaN or inf); check the inputs and "
-                "the loss for overflow, e.g. lower the learning rate"
-            )
         return self.sums(grads, subspace, self.clip(grads, subspace))
 
     def add_noise(
@@ -168,6 +162,18 @@ def row_norms(matrix: torch.Tensor, block: int = 64) -> torch.Tensor:
             matrix[start : start + block], dim=1, dtype=torch.float64
         )
     return out
+
+
+def _finite(norms: torch.Tensor) -> torch.Tensor:
+    """Refuse rows with NaN or inf: any such entry makes the row's float64 norm non-finite
+    (and its embedding's too, since inf * 0 is NaN), so checking norms checks every entry."""
+    bad = ~torch.isfinite(norms)
+    if bool(bad.any()):
+        raise NonFiniteGradientError(
+            f"{int(bad.sum())} example(s) have non-finite gradients (NaN or inf); check the "
+            "inputs and the loss for overflow, e.g. lower the learning rate"
+        )
+    return norms
 
 
 def _scale(norms: torch.Tensor, bound: float) -> torch.Tensor:
@@ -223,6 +229,7 @@ class GEP(Mechanism):
             err = _ROUNDING_SAFETY * _U32 * math.sqrt(basis.shape[0] * basis.shape[1])
             w_norm = row_norms(emb[:, ks])
             slack += 2.0 * w_norm * err * g2.sqrt()
+        _finite(grad_norm2 + emb_norm2)
         ortho = subspace.orthonormality_error
         resid2 = (grad_norm2 - emb_norm2).clamp_min(0) + ortho * emb_norm2 + slack
         resid2 += 4 * torch.finfo(torch.float64).eps * grad_norm2
@@ -264,7 +271,7 @@ class BGEP(Mechanism):
 
     def clip(self, grads, subspace):
         emb = subspace.embed(grads)
-        norms = row_norms(emb)
+        norms = _finite(row_norms(emb))
         return PerExampleClipping(emb, _scale(norms, self.clip_embedding).to(grads.dtype), None)
 
     def sums(self, grads, subspace, clipping):
@@ -295,7 +302,7 @@ class GP(Mechanism):
         return None, noise_multiplier * self.clip_norm
 
     def clip(self, grads, subspace):
-        norms = row_norms(grads)
+        norms = _finite(row_norms(grads))
         return PerExampleClipping(None, None, _scale(norms, self.clip_norm).to(grads.dtype))
 
     def sums(self, grads, subspace, clipping):
