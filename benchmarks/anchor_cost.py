@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, mnist_data, save  # noqa: E402
+from common import RESULTS, mnist_data, save
 
-from gep_fed import GEPConfig, MnistCNN, NoiseSource, calibrate_noise_multiplier  # noqa: E402
-from gep_fed.training import OptimizerConfig, evaluate, train_private  # noqa: E402
+from gep_fed import GEPConfig, MnistCNN, NoiseSource, calibrate_noise_multiplier
+from gep_fed.training import OptimizerConfig, evaluate, train_private
 
 SETTINGS = [(1, 2000), (5, 2000), (20, 2000), (1, 500), (5, 500), (20, 500)]
 
@@ -40,23 +40,51 @@ def main(argv=None) -> int:
     rows = []
     for refresh, anchors in SETTINGS:
         torch.manual_seed(0)
-        cfg = GEPConfig(noise_multiplier=sigma, sample_rate=q, num_basis=200,
-                        num_anchors=anchors, basis_refresh=refresh, clip_embedding=0.25,
-                        clip_residual=0.05)
+        cfg = GEPConfig(
+            noise_multiplier=sigma,
+            sample_rate=q,
+            num_basis=200,
+            num_anchors=anchors,
+            basis_refresh=refresh,
+            clip_embedding=0.25,
+            clip_residual=0.05,
+        )
         began = time.perf_counter()
-        res = train_private(MnistCNN(), x, y, data["public"], cfg, steps,
-                            OptimizerConfig(lr=0.5), generator=torch.Generator().manual_seed(0),
-                            noise=NoiseSource(1), evaluate_fn=lambda m: evaluate(m, *data["val"]))
+        res = train_private(
+            MnistCNN(),
+            x,
+            y,
+            data["public"],
+            cfg,
+            steps,
+            OptimizerConfig(lr=0.5),
+            generator=torch.Generator().manual_seed(0),
+            noise=NoiseSource(1),
+            evaluate_fn=lambda m: evaluate(m, *data["val"]),
+        )
         secs = time.perf_counter() - began
-        rows.append({"refresh": refresh, "anchors": anchors, "val_accuracy": res.accuracy,
-                     "seconds": secs, "refreshes": -(-steps // refresh)})
+        rows.append(
+            {
+                "refresh": refresh,
+                "anchors": anchors,
+                "val_accuracy": res.accuracy,
+                "seconds": secs,
+                "refreshes": -(-steps // refresh),
+            }
+        )
         print(rows[-1], flush=True)
-    lines = [f"# Anchor cost vs accuracy (MNIST fit/val, GEP, epsilon={args.epsilon}, "
-             f"{args.epochs} epochs = {steps} steps, k=200)", "",
-             "| refresh every R steps | anchors m | refreshes | train seconds | val accuracy |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['refresh']} | {r['anchors']} | {r['refreshes']} | {r['seconds']:.0f} | "
-              f"{r['val_accuracy']:.4f} |" for r in rows]
+    lines = [
+        f"# Anchor cost vs accuracy (MNIST fit/val, GEP, epsilon={args.epsilon}, "
+        f"{args.epochs} epochs = {steps} steps, k=200)",
+        "",
+        "| refresh every R steps | anchors m | refreshes | train seconds | val accuracy |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['refresh']} | {r['anchors']} | {r['refreshes']} | {r['seconds']:.0f} | "
+        f"{r['val_accuracy']:.4f} |"
+        for r in rows
+    ]
     report = "\n".join(lines) + "\n"
     (RESULTS / "anchor_cost.md").write_text(report)
     save("anchor_cost", {"rows": rows})
