@@ -27,6 +27,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def federation_env(deploy: Path) -> dict:
+    """The environment the guide's commands run in (as its block 0 would set it), or skip
+    when the tools that make the test certificates and keys are missing."""
+    for tool in ("openssl", "ssh-keygen"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            pytest.skip(f"{tool} is needed to make the test certificates and keys")
+    return {**os.environ, "DEPLOY": str(deploy), "PORT": str(free_port()),
+            "FLWR_HOME": str(deploy / "flwr"),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 def run_bash(script: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", "set -euo pipefail\n" + script],
