@@ -33,10 +33,14 @@ def federation_env(deploy: Path) -> dict:
     for tool in ("openssl", "ssh-keygen"):
         if subprocess.run(["which", tool], capture_output=True).returncode:
             pytest.skip(f"{tool} is needed to make the test certificates and keys")
-    return {**os.environ, "DEPLOY": str(deploy), "PORT": str(free_port()),
-            "FLWR_HOME": str(deploy / "flwr"),
-            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-            "RAY_USAGE_STATS_ENABLED": "0"}
+    return {
+        **os.environ,
+        "DEPLOY": str(deploy),
+        "PORT": str(free_port()),
+        "FLWR_HOME": str(deploy / "flwr"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
 
 
 def run_bash(script: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
@@ -52,18 +56,9 @@ def run_bash(script: str, env: dict, timeout: int) -> subprocess.CompletedProces
 
 @pytest.mark.slow
 def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
-    for tool in ("openssl", "ssh-keygen"):
-        if subprocess.run(["which", tool], capture_output=True).returncode:
-            pytest.skip(f"{tool} is needed to make the test certificates and keys")
     blocks = guide_blocks()
     assert len(blocks) >= 7 and "stop.sh" in blocks[-1]
-    env = {
-        **os.environ,
-        "DEPLOY": str(tmp_path / "federation"),
-        "PORT": str(free_port()),
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    env = federation_env(tmp_path / "federation")
     try:
         done = run_bash("\n".join(blocks[:-1]), env, timeout=1200)
         log = done.stdout[-4000:] + done.stderr[-4000:]
@@ -114,19 +109,9 @@ def kill_group(pidfile: Path) -> None:
 
 @pytest.mark.slow
 def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_path):
-    for tool in ("openssl", "ssh-keygen"):
-        if subprocess.run(["which", tool], capture_output=True).returncode:
-            pytest.skip(f"{tool} is needed to make the test certificates and keys")
     blocks = guide_blocks()
     deploy = tmp_path / "federation"
-    env = {
-        **os.environ,
-        "DEPLOY": str(deploy),
-        "PORT": str(free_port()),
-        "FLWR_HOME": str(deploy / "flwr"),  # as block 0 of the guide exports it
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    env = federation_env(deploy)
     run_dir = deploy / "runs" / "faults"
     command = (
         "flwr run . hospitals --stream --run-config \"mode='central' rounds=4 "
