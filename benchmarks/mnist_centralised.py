@@ -37,12 +37,15 @@ BATCH = 256
 K = 200
 
 GRIDS = {
-    # (lr, clip settings); GEP/B-GEP clip = (S1, S2) constants or ("q", quantile)
+    # (lr, clip settings); GEP/B-GEP clip = (S1, S2) constants or ("q", quantile).
+    # Every method's grid reaches the same small lr * clip corner (small norms win under DP).
     "gep": [(lr, clip) for lr in (0.5, 1.0) for clip in ((1.0, 0.2), (0.5, 0.1), (0.25, 0.05))]
+    + [(0.25, (0.5, 0.1)), (0.25, (0.25, 0.05)), (0.5, (0.125, 0.025))]
     + [(1.0, ("q", 0.5)), (1.0, ("q", 0.1))],
-    "bgep": [(lr, (s1, None)) for lr in (0.5, 1.0) for s1 in (0.5, 1.0)],
-    "gp": [(lr, (s, None)) for lr in (0.5, 1.0, 2.0) for s in (0.5, 1.0)],
-    "opacus": [(lr, (s, None)) for lr in (0.5, 1.0, 2.0) for s in (0.5, 1.0)],
+    "bgep": [(lr, (s1, None)) for lr in (0.5, 1.0) for s1 in (0.5, 1.0)]
+    + [(0.25, (0.5, None)), (0.25, (0.25, None)), (0.5, (0.25, None))],
+    "gp": [(lr, (s, None)) for lr in (0.25, 0.5, 1.0, 2.0) for s in (0.25, 0.5, 1.0)],
+    "opacus": [(lr, (s, None)) for lr in (0.25, 0.5, 1.0, 2.0) for s in (0.25, 0.5, 1.0)],
     "nonprivate": [(lr, None) for lr in (0.05, 0.1, 0.2)],
 }
 
