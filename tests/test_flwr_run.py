@@ -31,7 +31,7 @@ def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):
         "PATH": f"{BIN}:{os.environ['PATH']}",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    log = open(tmp_path / "superlink.log", "w")
+    log = (tmp_path / "superlink.log").open("w")  # closed in the finally below
     link = subprocess.Popen(
         [
             str(BIN / "flower-superlink"),
