@@ -136,6 +136,25 @@ class GEPStep:
         self._steps_since_refresh = 0
         return result
 
+    def private_projection_error(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Share of a private batch's gradient energy outside the current subspace.
+
+        A local diagnostic computed from private data without noise: it is NOT covered by
+        the privacy guarantee and must not be released (logged, sent, published).
+        """
+        if self.subspace is None:
+            raise ValueError("no subspace yet: call refresh_subspace or set_subspace first")
+        device = next(self.model.parameters()).device
+        grads = per_example_gradients(
+            self.model,
+            self.loss_fn,
+            inputs.to(device),
+            targets.to(device),
+            self.layout,
+            self.config.max_chunk,
+        )
+        return self.subspace.projection_error(grads)
+
     def clipped_sums(self, inputs: torch.Tensor, targets: torch.Tensor) -> ClippedSums:
         """Per-example gradients of a private batch, clipped and summed (not yet private)."""
         grads = per_example_gradients(

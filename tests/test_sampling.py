@@ -32,3 +32,15 @@ def test_empty_batches_occur_and_a_step_on_one_does_not_crash():
     step(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long))
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert step.ledger.steps == 1
+
+
+def test_projection_error_diagnostics_on_anchors_and_on_a_private_batch():
+    model = MnistCNN()
+    cfg = GEPConfig(num_basis=40, sample_rate=0.1)
+    public = torch.randn(60, 1, 28, 28)
+    step = GEPStep(model, public, cfg, dataset_size=100)
+    result = step.refresh_subspace(measure=True)
+    assert 0 <= result.projection_error < 1
+    private = step.private_projection_error(torch.randn(8, 1, 28, 28), torch.randint(10, (8,)))
+    assert 0 < private <= 1
+    assert step.ledger.steps == 0  # a diagnostic, not a release: nothing accounted
