@@ -37,20 +37,32 @@ BATCH = 256
 K = 200
 
 GRIDS = {
-    # (lr, clip settings); GEP/B-GEP clip = (S1, S2) constants or ("q", quantile).
-    # Every method's grid reaches the same small lr * clip corner (small norms win under DP).
+    # (lr, clip[, options]); GEP/B-GEP clip = (S1, S2) constants or ("q", quantile); options
+    # override k and t. Every method's grid reaches the small lr * clip corner (small norms win
+    # under DP) and goes past its best point in each direction.
     "gep": [(lr, clip) for lr in (0.5, 1.0) for clip in ((1.0, 0.2), (0.5, 0.1), (0.25, 0.05))]
     + [(0.25, (0.5, 0.1)), (0.25, (0.25, 0.05)), (0.5, (0.125, 0.025))]
-    + [(1.0, ("q", 0.5)), (1.0, ("q", 0.1))],
+    + [(1.0, ("q", 0.5)), (1.0, ("q", 0.1))]
+    # The residual share S2 / S1 and k, found to matter most in a validation sweep.
+    + [(0.25, (0.5, s2)) for s2 in (0.15, 0.2, 0.3)]
+    + [(0.25, (0.5, 0.2), {"k": 400}), (0.5, (1.0, 0.4)), (0.5, (1.0, 0.4), {"k": 400})],
     "bgep": [(lr, (s1, None)) for lr in (0.5, 1.0) for s1 in (0.5, 1.0)]
-    + [(0.25, (0.5, None)), (0.25, (0.25, None)), (0.5, (0.25, None))],
-    "gp": [(lr, (s, None)) for lr in (0.25, 0.5, 1.0, 2.0) for s in (0.25, 0.5, 1.0)],
-    "opacus": [(lr, (s, None)) for lr in (0.25, 0.5, 1.0, 2.0) for s in (0.25, 0.5, 1.0)],
+    + [(0.25, (0.5, None)), (0.25, (0.25, None)), (0.5, (0.25, None))]
+    + [(lr, (0.5, None), {"k": 400}) for lr in (0.5, 1.0)],
+    "gp": [(lr, (s, None)) for lr in (0.25, 0.5, 1.0, 2.0) for s in (0.25, 0.5, 1.0)]
+    + [(0.125, (0.25, None)), (0.125, (0.5, None)), (0.25, (0.125, None))],
+    "opacus": [(lr, (s, None)) for lr in (0.25, 0.5, 1.0, 2.0) for s in (0.25, 0.5, 1.0)]
+    + [(0.125, (0.25, None)), (0.125, (0.5, None)), (0.25, (0.125, None))],
     "nonprivate": [(lr, None) for lr in (0.05, 0.1, 0.2)],
 }
 
 
-def run_one(method, eps, lr, clip, data, train_key, eval_key, epochs, seed, basis_refresh):
+def run_one(
+    method, eps, lr, clip, data, train_key, eval_key, epochs, seed, basis_refresh, opts=None
+):
+    """One training run; ``opts`` overrides GEP settings: ``k`` (basis size), ``t`` (power
+    iterations)."""
+    opts = opts or {}
     torch.manual_seed(seed)
     x, y = data[train_key]
     eval_xy = data[eval_key]
@@ -96,7 +108,8 @@ def run_one(method, eps, lr, clip, data, train_key, eval_key, epochs, seed, basi
         mechanism=method,
         noise_multiplier=sigma,
         sample_rate=q,
-        num_basis=K,
+        num_basis=opts.get("k", K),
+        power_iterations=opts.get("t", 1),
         clip_embedding=s1,
         clip_residual=s2,
         clip_norm=s1,
@@ -125,6 +138,14 @@ def run_one(method, eps, lr, clip, data, train_key, eval_key, epochs, seed, basi
     }
 
 
+def describe(rec) -> str:
+    """A run's GEP options as text (k and t at their benchmark defaults when not given)."""
+    if rec["method"] not in ("gep", "bgep"):
+        return "-"
+    opts = rec.get("opts") or {}
+    return f"k={opts.get('k', K)} t={opts.get('t', 1)}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny grid, 1 epoch: a smoke run")
@@ -135,11 +156,18 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(GRIDS),
+        default=list(GRIDS),
+        help="run only these (e.g. two processes on disjoint methods); the table lists these",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     epochs = 1 if args.quick else args.epochs
-    grids = {m: g[:1] for m, g in GRIDS.items()} if args.quick else GRIDS
+    grids = {m: GRIDS[m][:1] if args.quick else GRIDS[m] for m in args.methods}
     name = "mnist_centralised_quick" if args.quick else "mnist_centralised"
     log_path = RESULTS / f"{name}.jsonl"
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -150,13 +178,27 @@ def main(argv=None) -> int:
             done[rec["key"]] = rec
     data = mnist_data()
 
-    def run(stage, method, eps, lr, clip):
-        key = json.dumps([stage, method, eps, lr, clip, epochs, args.seed, args.basis_refresh])
+    def run(stage, method, eps, lr, clip, opts=None):
+        # Runs without options keep the key they had before options existed (resumable log).
+        key = json.dumps(
+            [stage, method, eps, lr, clip, epochs, args.seed, args.basis_refresh]
+            + ([opts] if opts else [])
+        )
         if key in done:
             return done[key]
         train_key, eval_key = ("fit", "val") if stage == "tune" else ("train", "test")
         out = run_one(
-            method, eps, lr, clip, data, train_key, eval_key, epochs, args.seed, args.basis_refresh
+            method,
+            eps,
+            lr,
+            clip,
+            data,
+            train_key,
+            eval_key,
+            epochs,
+            args.seed,
+            args.basis_refresh,
+            opts,
         )
         rec = {
             "key": key,
@@ -165,13 +207,14 @@ def main(argv=None) -> int:
             "eps": eps,
             "lr": lr,
             "clip": clip,
+            "opts": opts or {},
             **out,
         }
         with open(log_path, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         done[key] = rec
         print(
-            f"{stage:5s} {method:10s} eps={eps} lr={lr} clip={clip} "
+            f"{stage:5s} {method:10s} eps={eps} lr={lr} clip={clip} {opts or ''} "
             f"acc={out['accuracy']:.4f} sigma={out['sigma']:.3f} {out['seconds']:.0f}s",
             flush=True,
         )
@@ -180,9 +223,9 @@ def main(argv=None) -> int:
     table = {}
     for method, grid in grids.items():
         for eps in [None] if method == "nonprivate" else args.epsilons:
-            tuned = [run("tune", method, eps, lr, clip) for lr, clip in grid]
+            tuned = [run("tune", method, eps, *setting) for setting in grid]
             best = max(tuned, key=lambda r: r["accuracy"])
-            final = run("final", method, eps, best["lr"], best["clip"])
+            final = run("final", method, eps, best["lr"], best["clip"], best.get("opts"))
             table[(method, eps)] = (best, final, tuned)
 
     lines = [
@@ -190,14 +233,15 @@ def main(argv=None) -> int:
         f"batch {BATCH} (Poisson), k={K}, basis refresh every {args.basis_refresh} steps, "
         f"delta={DELTA}",
         "",
-        "| method | epsilon | chosen lr | chosen clip | val acc (tuning) | test acc | sigma | "
-        "epsilon spent | train s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | epsilon | chosen lr | chosen clip | chosen options | val acc (tuning) | "
+        "test acc | sigma | epsilon spent | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (method, eps), (best, final, _) in table.items():
         spent = "-" if final["epsilon"] is None else f"{final['epsilon']:.3f}"
         lines.append(
             f"| {method} | {eps if eps is not None else 'inf'} | {best['lr']} | {best['clip']} | "
+            f"{describe(best)} | "
             f"{best['accuracy']:.4f} | {final['accuracy']:.4f} | {final['sigma']:.3f} | "
             f"{spent} | {final['seconds']:.0f} |"
         )
@@ -205,13 +249,15 @@ def main(argv=None) -> int:
         "",
         "## Clipping: anchor quantiles against tuned constants (validation accuracy)",
         "",
-        "| epsilon | lr | clip | val acc |",
-        "|---|---|---|---|",
+        "| epsilon | lr | clip | options | val acc |",
+        "|---|---|---|---|---|",
     ]
     for eps in args.epsilons:
         if ("gep", eps) in table:
             for r in table[("gep", eps)][2]:
-                lines.append(f"| {eps} | {r['lr']} | {r['clip']} | {r['accuracy']:.4f} |")
+                lines.append(
+                    f"| {eps} | {r['lr']} | {r['clip']} | {describe(r)} | {r['accuracy']:.4f} |"
+                )
     report = "\n".join(lines) + "\n"
     (RESULTS / f"{name}.md").write_text(report)
     save(
