@@ -230,7 +230,8 @@ def main(argv=None) -> int:
 
     lines = [
         f"# Centralised MNIST (8,000 train / 2,000 test, KMNIST anchors), {epochs} epochs, "
-        f"batch {BATCH} (Poisson), k={K}, basis refresh every {args.basis_refresh} steps, "
+        f"batch {BATCH} (Poisson), k={K} unless the options say otherwise, "
+        f"basis refresh every {args.basis_refresh} steps, "
         f"delta={DELTA}",
         "",
         "| method | epsilon | chosen lr | chosen clip | chosen options | val acc (tuning) | "
