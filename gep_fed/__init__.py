@@ -5,18 +5,19 @@ single-machine API and ``gep_fed.mechanisms`` for the three separable calls (cli
 add noise, reconstruct) that the federated modes distribute.
 """
 
-from gep_fed.accounting import (
-    ImpossibleTargetError,
-    PrivacyEvent,
-    calibrate_noise_multiplier,
-    epsilon_pld,
-    epsilon_rdp,
-)
+from gep_fed.accounting import ImpossibleTargetError, PrivacyEvent, epsilon_pld, epsilon_rdp
 from gep_fed.anchors import AnchorResult, compute_anchor_subspace
-from gep_fed.config import ConfigError, GEPConfig
+from gep_fed.config import ConfigError, GEPConfig, PrivacyContract
 from gep_fed.groups import ParameterGroup, ParameterLayout
 from gep_fed.ledger import BudgetExceededError, LedgerError, PrivacyLedger
-from gep_fed.mechanisms import BGEP, GEP, GP, ClippedSums, Mechanism, NonFiniteGradientError
+from gep_fed.mechanisms import (
+    BGEP,
+    GEP,
+    GP,
+    ClippedSums,
+    Mechanism,
+    calibrate_noise_multiplier,
+)
 from gep_fed.models import MLP, MnistCNN, resnet20_gn
 from gep_fed.noise import NoiseSource
 from gep_fed.per_example import (
@@ -26,7 +27,7 @@ from gep_fed.per_example import (
     validate_model,
 )
 from gep_fed.sampling import PoissonSampler
-from gep_fed.step import GEPStep, make_mechanism, write_gradient
+from gep_fed.step import GEPStep, write_gradient
 from gep_fed.subspace import AnchorSubspace, power_method_subspace
 
 __all__ = [
@@ -47,10 +48,10 @@ __all__ = [
     "Mechanism",
     "MnistCNN",
     "NoiseSource",
-    "NonFiniteGradientError",
     "ParameterGroup",
     "ParameterLayout",
     "PoissonSampler",
+    "PrivacyContract",
     "PrivacyEvent",
     "PrivacyLedger",
     "batchnorm_to_groupnorm",
@@ -58,7 +59,6 @@ __all__ = [
     "compute_anchor_subspace",
     "epsilon_pld",
     "epsilon_rdp",
-    "make_mechanism",
     "per_example_gradients",
     "power_method_subspace",
     "resnet20_gn",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import dp_accounting
@@ -30,7 +30,11 @@ PLD_DISCRETIZATION = 1e-4
 MIN_NOISE_MULTIPLIER = 1e-3
 MAX_NOISE_MULTIPLIER = 1e4
 
-MECHANISM_RELEASES = {"gep": 2, "bgep": 1, "gp": 1}
+# Who added the noise: the releasing party itself, or a server it trusts (central mode).
+PLACEMENTS = ("local", "trusted-server")
+# Neighbouring data sets: one example added or removed (Poisson-subsampled mechanisms), or one
+# example replaced by another (single-pass Langevin: privacy amplification by iteration).
+ADJACENCIES = ("add-remove", "replace-one")
 
 
 class ImpossibleTargetError(ValueError):
@@ -48,9 +52,14 @@ class PrivacyEvent:
             (1.0 for full-batch or deterministic use).
         steps: how many such releases.
         accounting_noise_multiplier: the sigma of the equivalent sensitivity-1 Gaussian
-            mechanism (GEP: sigma / sqrt(2)); this is what enters the accountant.
-        party: who released (a site id, or "server" in central mode).
+            mechanism (GEP: sigma / sqrt(2)); this is what enters the accountant. Always
+            supplied by the mechanism object (``Mechanism.event``), never looked up by name.
+        party: who released (a site id, or "federation" in central mode).
         round: the federated round, if any.
+        placement: "local" (the party added the noise itself) or "trusted-server" (central
+            mode: the party sent unnoised sums to a server it trusts to add the noise).
+        adjacency: "add-remove" (one example added or removed) or "replace-one" (one example
+            replaced; single-pass Langevin). Events of different adjacency do not compose.
     """
 
     mechanism: str
@@ -60,17 +69,25 @@ class PrivacyEvent:
     accounting_noise_multiplier: float | None = None
     party: str = ""
     round: int | None = None
+    placement: str = "local"
+    adjacency: str = "add-remove"
 
     def __post_init__(self) -> None:
-        if self.accounting_noise_multiplier is None:
-            if self.mechanism not in MECHANISM_RELEASES:
-                raise ValueError(
-                    f"mechanism {self.mechanism!r} needs an explicit accounting_noise_multiplier"
-                )
-            releases = MECHANISM_RELEASES[self.mechanism]
-            object.__setattr__(
-                self, "accounting_noise_multiplier", self.noise_multiplier / math.sqrt(releases)
+        sigma = self.accounting_noise_multiplier
+        if sigma is None:
+            raise ValueError(
+                "a PrivacyEvent needs its accounting_noise_multiplier: build it with the "
+                "mechanism's event(...) (e.g. GEP.event(sigma, q)), which knows how many "
+                "vectors one step releases"
             )
+        if not (sigma >= 0 and math.isfinite(sigma)):
+            raise ValueError(f"accounting_noise_multiplier must be finite and >= 0, got {sigma}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.adjacency not in ADJACENCIES:
+            raise ValueError(f"adjacency must be one of {ADJACENCIES}, got {self.adjacency!r}")
+        if self.adjacency == "replace-one" and self.sample_rate != 1:
+            raise ValueError("replace-one events are accounted without subsampling (q = 1)")
         if not (0 < self.sample_rate <= 1):
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
@@ -105,6 +122,12 @@ class PrivacyEvent:
 
 def _merged(events: Iterable[PrivacyEvent]) -> list[tuple[float, float, int]]:
     """(accounting sigma, q, steps), consecutive equal releases merged (faster PLD)."""
+    events = list(events)
+    if len({e.adjacency for e in events}) > 1:
+        raise ValueError(
+            "cannot compose events of different adjacency (add-remove and replace-one): "
+            "their epsilons bound different neighbouring relations"
+        )
     merged: list[tuple[float, float, int]] = []
     for e in events:
         key = (e.accounting_noise_multiplier, e.sample_rate)
@@ -115,8 +138,12 @@ def _merged(events: Iterable[PrivacyEvent]) -> list[tuple[float, float, int]]:
     return merged
 
 
+def _gaussian_event(accounting_sigma: float, q: float, steps: int) -> PrivacyEvent:
+    return PrivacyEvent("gaussian", accounting_sigma, q, steps, accounting_sigma)
+
+
 def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
-    parts = [PrivacyEvent("gp", sigma, q, steps).dp_event() for sigma, q, steps in _merged(events)]
+    parts = [_gaussian_event(*merged).dp_event() for merged in _merged(events)]
     return dp_accounting.ComposedDpEvent(parts)
 
 
@@ -124,7 +151,7 @@ def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
 def _step_rdp(accounting_sigma: float, sample_rate: float) -> np.ndarray:
     """dp-accounting's RDP curve (at ``RDP_ORDERS``) of one release, cached: composing
     ``steps`` equal releases multiplies it by ``steps`` (RDP composes additively)."""
-    single = PrivacyEvent("gp", accounting_sigma, sample_rate, 1).dp_event()
+    single = _gaussian_event(accounting_sigma, sample_rate, 1).dp_event()
     curve = rdp.RdpAccountant(RDP_ORDERS).compose(single).rdp
     curve.flags.writeable = False
     return curve
@@ -158,43 +185,39 @@ def _check_delta(delta: float) -> None:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
 
 
-def calibrate_noise_multiplier(
+def calibrate(
     target_epsilon: float,
     delta: float,
-    sample_rate: float,
-    steps: int,
-    mechanism: str = "gep",
+    event_for: Callable[[float], PrivacyEvent],
     tol: float = 1e-4,
 ) -> float:
-    """The smallest sigma (up to ``tol``) whose RDP epsilon after ``steps`` is <= target.
+    """The smallest noise multiplier sigma (up to ``tol``) whose RDP epsilon is <= target.
 
-    ``sigma`` is the mechanism's own noise multiplier (for GEP, before the sqrt(2) of the two
-    releases). Raises ``ImpossibleTargetError`` when even sigma = 1e4 does not reach the target
-    (RDP conversion has a floor that grows with steps), instead of silently capping.
+    ``event_for(sigma)`` is everything the run will release at noise multiplier ``sigma``
+    (e.g. ``lambda s: GEP.event(s, q, steps)``). Raises ``ImpossibleTargetError`` when even
+    sigma = 1e4 does not reach the target (RDP conversion has a floor that grows with steps),
+    instead of silently capping.
     """
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
     _check_delta(delta)
-    if mechanism not in MECHANISM_RELEASES:
-        raise ValueError(
-            f"mechanism must be one of {sorted(MECHANISM_RELEASES)}, got {mechanism!r}"
-        )
 
     def eps(sigma: float) -> float:
-        return epsilon_rdp([PrivacyEvent(mechanism, sigma, sample_rate, steps)], delta)
+        return epsilon_rdp([event_for(sigma)], delta)
 
     best = eps(MAX_NOISE_MULTIPLIER)
     if best > target_epsilon:
+        example = event_for(MAX_NOISE_MULTIPLIER)
         raise ImpossibleTargetError(
-            f"epsilon={target_epsilon} at delta={delta} is out of reach for {steps} steps at "
-            f"sample rate {sample_rate}: even sigma={MAX_NOISE_MULTIPLIER:g} gives epsilon="
-            f"{best:.4g}. Raise the target epsilon or delta, or take fewer steps."
+            f"epsilon={target_epsilon} at delta={delta} is out of reach for {example.steps} "
+            f"steps at sample rate {example.sample_rate}: even sigma={MAX_NOISE_MULTIPLIER:g} "
+            f"gives epsilon={best:.4g}. Raise the target epsilon or delta, or take fewer steps."
         )
     if eps(MIN_NOISE_MULTIPLIER) <= target_epsilon:
         return MIN_NOISE_MULTIPLIER
     sigma = dp_accounting.calibrate_dp_mechanism(
         lambda: rdp.RdpAccountant(RDP_ORDERS),
-        lambda s: PrivacyEvent(mechanism, s, sample_rate, steps).dp_event(),
+        lambda s: event_for(s).dp_event(),
         target_epsilon,
         delta,
         bracket_interval=dp_accounting.ExplicitBracketInterval(

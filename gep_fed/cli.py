@@ -9,15 +9,18 @@ import time
 import types
 import typing
 from dataclasses import fields
+from pathlib import Path
 
-from gep_fed.accounting import (
-    ImpossibleTargetError,
-    PrivacyEvent,
-    calibrate_noise_multiplier,
-    epsilon_pld,
-    epsilon_rdp,
-)
+from gep_fed.accounting import ImpossibleTargetError, epsilon_pld, epsilon_rdp
 from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.ledger import (
+    LedgerError,
+    PrivacyLedger,
+    create_ledger_key,
+    default_key_path,
+    read_ledger_key,
+)
+from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
 
 
 def _field_type(f) -> type:
@@ -83,8 +86,6 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _print_summary(fed, result, wall: float) -> None:
-    from gep_fed.ledger import PrivacyLedger
-
     last = result.metrics[-1] if result.metrics else {}
     print()
     if result.stop_reason:
@@ -95,14 +96,18 @@ def _print_summary(fed, result, wall: float) -> None:
         ("mode / mechanism", f"{fed.mode} / {fed.mechanism}"),
     ]
     ledger = result.run_dir / "ledger.json"
-    if ledger.exists():
+    budget = f"at delta={fed.delta:g}, budget {fed.target_epsilon:g}"
+    if fed.mechanism == "langevin":  # only the sites' ledgers know it (it depends on n_i)
+        rows.append(
+            ("epsilon spent (largest site)", f"{last.get('epsilon', float('nan')):.4f} {budget}")
+        )
+    elif ledger.exists():
         spent = PrivacyLedger.load(ledger)
         who = "federation" if fed.mode == "central" else "each site"
         rows.append(
             (
                 f"epsilon spent ({who})",
-                f"{spent.epsilon():.3f} (RDP), {spent.epsilon('pld'):.3f} (PLD) "
-                f"at delta={fed.delta:g}, budget {fed.target_epsilon:g}",
+                f"{spent.epsilon():.3f} (RDP), {spent.epsilon('pld'):.3f} (PLD) {budget}",
             )
         )
     rows.append(("wall time", f"{wall:.1f} s"))
@@ -122,7 +127,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     sigma = calibrate_noise_multiplier(
         args.epsilon, args.delta, args.sample_rate, args.steps, args.mechanism
     )
-    events = [PrivacyEvent(args.mechanism, sigma, args.sample_rate, args.steps)]
+    events = [mechanism_class(args.mechanism).event(sigma, args.sample_rate, args.steps)]
     print(
         f"noise multiplier sigma = {sigma:.4f}  ({args.mechanism}, q={args.sample_rate:g}, "
         f"{args.steps} steps)"
@@ -130,6 +135,33 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(
         f"epsilon at delta={args.delta:g}: RDP {epsilon_rdp(events, args.delta):.4f}, "
         f"PLD {epsilon_pld(events, args.delta):.4f}"
+    )
+    return 0
+
+
+def _ledger_init(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if path.exists():
+        raise LedgerError(f"ledger {path} already exists; not replacing it")
+    key_path = Path(args.key) if args.key else default_key_path(path)
+    key = create_ledger_key(key_path)
+    PrivacyLedger.open(path, args.delta, None, args.owner, key=key, create=True)
+    print(f"created ledger {path} (owner {args.owner!r}, delta {args.delta:g})")
+    print(f"created its key {key_path} (mode 600): back it up with the ledger; without it the")
+    print("ledger cannot be verified, and whoever holds it can rewrite the ledger")
+    return 0
+
+
+def _ledger_show(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    key_path = Path(args.key) if args.key else default_key_path(path)
+    key = read_ledger_key(key_path) if key_path.exists() or args.key else None
+    ledger = PrivacyLedger.load(path, key)
+    print(f"ledger {path} ({'HMAC verified' if key else 'checksum verified, no key'})")
+    print(f"  owner {ledger.owner!r}, {ledger.steps} accounted step(s)")
+    print(
+        f"  epsilon {ledger.epsilon():.4f} (RDP), {ledger.epsilon('pld'):.4f} (PLD) at "
+        f"delta={ledger.delta:g}"
     )
     return 0
 
@@ -219,6 +251,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="gep releases two vectors per step and is accounted at sigma/sqrt(2)",
     )
     cal.set_defaults(func=_calibrate)
+
+    led = sub.add_parser("ledger", help="create or inspect a site's privacy ledger")
+    led_sub = led.add_subparsers(dest="ledger_command", required=True)
+    init = led_sub.add_parser(
+        "init",
+        help="create a site's ledger and its HMAC key, once, before the site's first run",
+        description="Create an empty ledger and a new HMAC key (mode 600). Refuses to replace "
+        "either: a site's accounting is never restarted.",
+    )
+    init.add_argument("path", help="the ledger file (the site's node config ledger-path)")
+    init.add_argument("--owner", required=True, help="the site id recorded in the ledger")
+    init.add_argument(
+        "--delta", type=float, required=True, help="delta of the site's guarantee (node config)"
+    )
+    init.add_argument("--key", help="key file (default: <path>.key)")
+    init.set_defaults(func=_ledger_init)
+    show = led_sub.add_parser("show", help="verify a ledger and print what it has spent")
+    show.add_argument("path", help="the ledger file")
+    show.add_argument("--key", help="key file (default: <path>.key when it exists)")
+    show.set_defaults(func=_ledger_show)
     return parser
 
 
@@ -227,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ImpossibleTargetError, ValueError, FileNotFoundError) as err:
+        # LedgerError is a ValueError: a damaged or missing ledger is named, never replaced.
         print(f"gep-fed {args.command}: error: {err}", file=sys.stderr)
         return 2
 

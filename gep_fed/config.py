@@ -1,21 +1,135 @@
-"""Typed, validated configuration of a private step.
+"""Typed, validated configuration: the privacy contract, a private step, a federated run.
 
 Errors name the field, the value and the allowed range, so a bad value is fixed where it was
-written (CLI option, ``pyproject.toml`` run config or node config).
+written (CLI option, ``pyproject.toml`` run config, node config or a received round config).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+
+from gep_fed.accounting import PrivacyEvent
+from gep_fed.mechanisms import GP, Mechanism, mechanism_class
 
 MECHANISMS = ("gep", "bgep", "gp")
 ANCHOR_LABELS = ("random", "true")
+MODES = ("central", "client")
+FEDERATED_MECHANISMS = (*MECHANISMS, "langevin")
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type, or out of range."""
+
+
+@dataclass(frozen=True)
+class PrivacyContract:
+    """What one private step releases and how it is accounted, defined once.
+
+    The server builds its mechanism (central noise) from the same contract object it sends to
+    every site in the round config; each site builds its mechanism and its ledger events from
+    the contract it received; ``GEPConfig`` and ``FederationConfig`` derive theirs. No copy of
+    these fields is made by hand, so a site cannot clip with one S1 while the server noises
+    with another.
+
+    Attributes:
+        mechanism: "gep" (embedding and residual, two releases per step), "bgep" (embedding
+            only), "gp" (DP-SGD) or "langevin" (noisy SGD with a Gaussian prior; its noise
+            comes from ``langevin_beta0`` and its events from the Langevin schedule).
+        noise_multiplier: sigma, noise standard deviation divided by the clip norm of each
+            released vector; 0 means no noise and no privacy (infinite epsilon).
+        sample_rate: q, each private example's independent chance to be in a step's Poisson
+            sample; smaller amplifies privacy.
+        clip_embedding, clip_residual: S1 and S2, per-example bounds of the embedding and the
+            residual (GEP, B-GEP); their noise is ``sigma * S1`` and ``sigma * S2``.
+        clip_norm: S, per-example gradient bound (GP; Langevin's G).
+        langevin_beta0: Langevin's prior variance. It scales the noise and the step sizes of
+            the multi-pass schedule together, so it shapes training, not privacy: multi-pass
+            epsilon depends only on the steps, the batch, n and delta.
+    """
+
+    mechanism: str
+    noise_multiplier: float
+    sample_rate: float
+    clip_embedding: float = 0.5
+    clip_residual: float = 0.2
+    clip_norm: float = 1.0
+    langevin_beta0: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
+        _number("noise_multiplier", self.noise_multiplier, low=0, low_open=False)
+        _number("sample_rate", self.sample_rate, low=0, high=1)
+        for name in ("clip_embedding", "clip_residual", "clip_norm"):
+            _number(name, getattr(self, name), low=0)
+        _number("langevin_beta0", self.langevin_beta0, low=0, low_open=self.is_langevin)
+
+    @property
+    def is_langevin(self) -> bool:
+        return self.mechanism == "langevin"
+
+    @property
+    def mechanism_type(self) -> type[Mechanism]:
+        """The class of the released mechanism (Langevin clips like GP)."""
+        return GP if self.is_langevin else mechanism_class(self.mechanism)
+
+    def build_mechanism(
+        self, clip_embedding: float | None = None, clip_residual: float | None = None
+    ) -> Mechanism:
+        """The mechanism object with this contract's clip norms (or the given S1, S2, e.g.
+        derived from public anchors)."""
+        s1 = self.clip_embedding if clip_embedding is None else clip_embedding
+        s2 = self.clip_residual if clip_residual is None else clip_residual
+        cls = self.mechanism_type
+        if cls.name == "gep":
+            return cls(s1, s2)
+        if cls.name == "bgep":
+            return cls(s1)
+        return cls(self.clip_norm)
+
+    def events(
+        self,
+        steps: int,
+        *,
+        party: str = "",
+        round: int | None = None,
+        placement: str = "local",
+    ) -> list[PrivacyEvent]:
+        """``steps`` releases under this contract, one event each (each carries its round).
+        Langevin's events depend on the step index and the data size: ``LangevinTrainer``
+        builds those."""
+        if self.is_langevin:
+            raise ValueError("Langevin events come from LangevinTrainer.multi_pass_events")
+        return [
+            self.mechanism_type.event(
+                self.noise_multiplier,
+                self.sample_rate,
+                party=party,
+                round=round,
+                placement=placement,
+            )
+            for _ in range(steps)
+        ]
+
+    def to_record(self, prefix: str = "privacy.") -> dict:
+        """Flat ``{prefix + field: value}`` (a Flower ConfigRecord holds scalars only)."""
+        return {prefix + k: v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_record(cls, record: Mapping, prefix: str = "privacy.") -> PrivacyContract:
+        """Decode and validate; a missing, mistyped or out-of-range value is a
+        ``ConfigError`` naming the field."""
+        values = {}
+        for f in fields(cls):
+            key = prefix + f.name
+            if key not in record:
+                raise ConfigError(f"{key} is missing")
+            value = record[key]
+            if f.name != "mechanism" and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            values[f.name] = value
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -72,10 +186,7 @@ class GEPConfig:
     def __post_init__(self) -> None:
         _choice("mechanism", self.mechanism, MECHANISMS)
         _choice("anchor_labels", self.anchor_labels, ANCHOR_LABELS)
-        _number("noise_multiplier", self.noise_multiplier, low=0, low_open=False)
-        _number("sample_rate", self.sample_rate, low=0, high=1)
-        for name in ("clip_embedding", "clip_residual", "clip_norm"):
-            _number(name, getattr(self, name), low=0)
+        _ = self.contract  # validates the privacy fields
         if self.clip_quantile is not None:
             _number("clip_quantile", self.clip_quantile, low=0, high=1)
         for name in ("num_basis", "power_iterations", "basis_refresh", "max_chunk"):
@@ -90,6 +201,19 @@ class GEPConfig:
             )
         ):
             raise ConfigError("groups must map group names to lists of parameter-name patterns")
+
+    @property
+    def contract(self) -> PrivacyContract:
+        """The privacy fields of this step as one contract."""
+        return PrivacyContract(**{f.name: getattr(self, f.name) for f in _STEP_CONTRACT_FIELDS})
+
+    @classmethod
+    def from_contract(cls, contract: PrivacyContract, **settings) -> GEPConfig:
+        """A step configuration that releases exactly what ``contract`` says; ``settings``
+        are the privacy-free knobs (``num_basis``, ``max_chunk``, ...)."""
+        if contract.is_langevin:
+            raise ConfigError("a Langevin contract is run by LangevinTrainer, not GEPStep")
+        return cls(**{f.name: getattr(contract, f.name) for f in _STEP_CONTRACT_FIELDS}, **settings)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> GEPConfig:
@@ -126,8 +250,8 @@ def _integer(name: str, value: object, low: int) -> None:
         raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-MODES = ("central", "client")
-FEDERATED_MECHANISMS = (*MECHANISMS, "langevin")
+# The contract fields a GEPConfig carries (all but Langevin's prior).
+_STEP_CONTRACT_FIELDS = tuple(f for f in fields(PrivacyContract) if f.name != "langevin_beta0")
 
 
 def _opt(default, help_text: str):
@@ -160,11 +284,14 @@ class FederationConfig:
         total_examples: N, the declared size of the union of the sites' data (central mode);
             None lets a simulation use its partitions' sizes. Never a count sent by a site.
         clip_embedding, clip_residual, clip_norm: S1, S2 (GEP, B-GEP) and S (GP).
-        noise_seed: fixes the noise (tests and benchmarks only: a known seed voids privacy).
+        noise_seed: fixes the server's noise, and in ``simulate`` the simulated sites' (tests
+            and benchmarks only: a known seed voids privacy). A deployed site's noise is
+            always seeded by its OS; no run config can set it.
         run_dir, run_name: outputs go to ``run_dir/run_name`` (``run_dir/run-<flower run id>``
             when ``run_name`` is empty); an existing one with a checkpoint is resumed.
-        release_site_metrics: let sites report their raw training loss (labelled in every
-            output as outside the guarantee). Off by default.
+        release_site_metrics: let *simulated* sites report their raw training loss
+            (labelled in every output as outside the guarantee). Off by default. A deployed
+            site decides this itself (node config ``release-metrics``).
 
     Every field's help text is in its metadata (what ``gep-fed simulate --help`` shows).
     """
@@ -214,7 +341,9 @@ class FederationConfig:
     clip_residual: float = _opt(1.0, "S2: bound on each example's residual norm (noise sigma*S2)")
     clip_norm: float = _opt(1.0, "S: bound on each example's gradient norm (gp; G for langevin)")
     langevin_beta0: float = _opt(
-        1.0, "langevin prior variance beta0: larger adds more noise per step (more private)"
+        1.0,
+        "langevin prior variance beta0: scales noise and step sizes together (training, not "
+        "privacy: multi-pass epsilon depends on steps, batch, n and delta only)",
     )
     num_basis: int = _opt(64, "k: anchor-subspace dimension (public; no privacy cost)")
     num_anchors: int | None = _opt(None, "m: anchors used per subspace (default: all public data)")
@@ -239,7 +368,9 @@ class FederationConfig:
     run_name: str = _opt("", "run directory name (an existing one is resumed)")
     device: str = _opt("auto", "auto (cuda when available), cpu or cuda")
     release_site_metrics: bool = _opt(
-        False, "let sites report raw training loss, labelled as OUTSIDE the privacy guarantee"
+        False,
+        "let simulated sites report raw training loss, labelled as OUTSIDE the privacy "
+        "guarantee (a deployed site decides this in its own node config)",
     )
     max_chunk: int = _opt(128, "examples differentiated at once (memory bound)")
 
@@ -318,18 +449,26 @@ class FederationConfig:
 
         return str(Path(self.run_dir) / (self.run_name or f"run-{run_id}"))
 
-    def gep_config(self, noise_multiplier: float) -> GEPConfig:
-        """The step configuration (langevin steps clip like gp and add their own noise)."""
-        return GEPConfig(
-            mechanism="gp" if self.mechanism == "langevin" else self.mechanism,
+    def contract(self, noise_multiplier: float) -> PrivacyContract:
+        """The run's privacy contract at the resolved sigma (0 for Langevin, whose noise comes
+        from its prior variance)."""
+        return PrivacyContract(
+            mechanism=self.mechanism,
             noise_multiplier=noise_multiplier,
             sample_rate=self.sample_rate,
-            num_basis=self.num_basis,
-            num_anchors=self.num_anchors,
-            power_iterations=self.power_iterations,
             clip_embedding=self.clip_embedding,
             clip_residual=self.clip_residual,
             clip_norm=self.clip_norm,
+            langevin_beta0=self.langevin_beta0 if self.mechanism == "langevin" else 0.0,
+        )
+
+    def anchor_config(self, contract: PrivacyContract) -> GEPConfig:
+        """The server's step configuration for the anchor subspace (public data only)."""
+        return GEPConfig.from_contract(
+            contract,
+            num_basis=self.num_basis,
+            num_anchors=self.num_anchors,
+            power_iterations=self.power_iterations,
             max_chunk=self.max_chunk,
         )
 

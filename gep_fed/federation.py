@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gep_fed.accounting import PrivacyEvent, calibrate_noise_multiplier
+from gep_fed.accounting import PrivacyEvent
 from gep_fed.anchors import compute_anchor_subspace
 from gep_fed.config import FederationConfig
 from gep_fed.groups import ParameterLayout
 from gep_fed.ledger import LedgerError, PrivacyLedger
-from gep_fed.mechanisms import ClippedSums
+from gep_fed.mechanisms import ClippedSums, calibrate_noise_multiplier
 from gep_fed.noise import NoiseSource
 from gep_fed.rundir import CHECKPOINT, MODEL, RunDirectory
 from gep_fed.site import resolve_device
-from gep_fed.step import make_mechanism, write_gradient
+from gep_fed.step import write_gradient
 from gep_fed.subspace import AnchorSubspace
 from gep_fed.tasks import TaskData
 from gep_fed.training import evaluate
@@ -87,8 +87,10 @@ class FederationServer:
         # Langevin sites add their own noise from beta0 and account per step themselves.
         self.langevin = cfg.mechanism == "langevin"
         self.sigma = 0.0 if self.langevin else noise_multiplier_for(cfg)
-        self.gep = cfg.gep_config(self.sigma)
-        self.mechanism = make_mechanism(self.gep)
+        # One contract: sent to every site and the source of the server's own mechanism.
+        self.contract = cfg.contract(self.sigma)
+        self.mechanism = self.contract.build_mechanism()
+        self.gep = None if self.langevin else cfg.anchor_config(self.contract)
         self.public = task.public_tensor().to(self.device)
         self.test = tuple(t.to(self.device) for t in task.tensors(task.test))
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
@@ -96,7 +98,7 @@ class FederationServer:
         owner = "federation" if cfg.mode == "central" else "each-site (expected)"
         # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
         budget = cfg.target_epsilon if self.sigma > 0 else None
-        self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, budget, owner)
+        self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, budget, owner, create=True)
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=cfg.server_lr, momentum=cfg.server_momentum
         )
@@ -111,14 +113,17 @@ class FederationServer:
         """The releases one round makes (per site in client mode)."""
         if self.langevin:  # step-dependent and site-size-dependent: the sites' ledgers count
             return []
-        party = "federation" if self.cfg.mode == "central" else "each-site"
-        n = 1 if self.cfg.mode == "central" else self.cfg.local_steps
-        return [
-            PrivacyEvent(
-                self.cfg.mechanism, self.sigma, self.cfg.sample_rate, party=party, round=round_
-            )
-            for _ in range(n)
-        ]
+        if self.cfg.mode == "central":
+            return self.contract.events(1, party="federation", round=round_)
+        return self.contract.events(self.cfg.local_steps, party="each-site", round=round_)
+
+    def epsilon_spent(self, site_epsilon_max: float | None) -> float:
+        """The epsilon a run shows: the federation's ledger (central mode) or each site's
+        expected spend (client mode). Langevin's spend depends on each site's data size, so
+        it shows the largest epsilon the sites' own ledgers report."""
+        if self.langevin:
+            return math.nan if site_epsilon_max is None else site_epsilon_max
+        return self.ledger.epsilon()
 
     def check_budget(self, round_: int) -> None:
         """Raise ``BudgetExceededError`` if round ``round_`` would exceed the budget."""
@@ -153,20 +158,14 @@ class FederationServer:
         rc = RoundConfig(
             round=round_,
             mode=cfg.mode,
-            mechanism=cfg.mechanism,
-            sample_rate=cfg.sample_rate,
-            noise_multiplier=self.sigma,
-            clip_embedding=cfg.clip_embedding,
-            clip_residual=cfg.clip_residual,
-            clip_norm=cfg.clip_norm,
+            privacy=self.contract,
             local_steps=cfg.local_steps,
-            local_lr=cfg.local_lr,
-            local_momentum=cfg.local_momentum,
+            local_lr=float(cfg.local_lr),
+            local_momentum=float(cfg.local_momentum),
             basis_id=self.basis_id if self.mechanism.uses_subspace else -1,
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
             model_spec=self.model_spec.to_json(),
-            langevin_beta0=cfg.langevin_beta0 if self.langevin else 0.0,
         )
         return RoundPlan(
             rc,
@@ -184,10 +183,13 @@ class FederationServer:
         """Reject clipped sums larger than clipping allows for any plausible batch.
 
         One site's batch is part of a Poisson sample of the union with mean ``q N``; a norm
-        above ``S * (q N + 8 sd + 8)`` cannot come from honestly clipped examples.
+        above ``S * (q N + 8 sd + 8)`` cannot come from honestly clipped examples. The
+        rejection names the field and the bound, never the norm: the sums are unnoised site
+        data, and nothing computed from them may reach the server's metrics or reports.
         """
-        mean = self.cfg.sample_rate * self.total_examples
-        ceiling = mean + 8 * math.sqrt(mean * (1 - self.cfg.sample_rate)) + 8
+        q = self.contract.sample_rate
+        mean = q * self.total_examples
+        ceiling = mean + 8 * math.sqrt(mean * (1 - q)) + 8
         mech = self.mechanism
         bounds = {
             "embedding": getattr(mech, "clip_embedding", None),
@@ -201,7 +203,7 @@ class FederationServer:
                 raise WireError(
                     sender,
                     f"{CLIPPED_SUMS}.{name}",
-                    f"norm {norm:.4g} exceeds clip bound {bounds[name]:g} x plausible batch "
+                    f"norm exceeds clip bound {bounds[name]:g} x plausible batch "
                     f"{ceiling:.0f}: not honestly clipped",
                 )
 
@@ -216,7 +218,7 @@ class FederationServer:
         self.ledger.check_budget(self.round_events(round_))
         noisy = self.mechanism.add_noise(total, self.sigma, self.noise)
         estimate = self.mechanism.reconstruct(
-            noisy, self.subspace, self.cfg.sample_rate * self.total_examples
+            noisy, self.subspace, self.contract.sample_rate * self.total_examples
         )
         self.optimizer.zero_grad(set_to_none=True)
         write_gradient(self.model, self.layout, estimate)

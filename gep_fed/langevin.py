@@ -4,26 +4,36 @@ Algorithm 1 of the paper, from ``w_1 ~ N(0, beta0 I)``: a minibatch gradient ste
 ``w~ = w - eta_t G(w)``, then ``w_t ~ N((1 - lambda_t eta_t) w~, lambda_t eta_t (2 - lambda_t eta_t)
 beta0 I)``. Per-example clipping to ``G`` enforces the gradient bound the analysis assumes.
 
-Two schedules:
+Two schedules, private under different neighbouring relations (their epsilons do not compose,
+and the accountant refuses to mix them):
 
 - **single pass** (Theorem 1, Proposition 4): constant ``eta``, ``lambda_t = 1 / (t eta)``,
   minibatch sizes ``b_t = ceil(sqrt(T / (2 (T - t + 1))))``, each example used at most once. Only
-  the *last iterate* is private. Two corrections to the paper, both found by direct
-  computation: (1) these sizes sum to about 1.8 T, not at most T, so T is the largest number of
-  steps whose batches fit in the n examples (about n / 1.8); (2) the bound the proof applies
-  (Feldman et al. 2020, Theorem 3.1) gives ``(alpha, 2 alpha eta^2 G^2 F / beta0)``-RDP with
-  ``F = max_tau 1 / (b_tau^2 sum_{t >= tau} 1/t)``, which is up to 2 for these sizes (the paper's
-  proof drops the 2 in ``b_t``). We account with the exact F: one Gaussian mechanism of noise
-  multiplier ``sqrt(beta0 / (4 eta^2 G^2 F))``. Amplification by iteration needs a convex,
-  L-smooth loss with ``eta <= 2 / L``; the trainer therefore accepts linear models only.
+  the *last iterate* is private, under **replace-one** adjacency (one example replaced by
+  another: what privacy amplification by iteration bounds). Two corrections to the paper, both
+  found by direct computation: (1) these sizes sum to about 1.8 T, not at most T, so T is the
+  largest number of steps whose batches fit in the n examples (about n / 1.8); (2) the bound the
+  proof applies (Feldman et al. 2020, Theorem 3.1) gives ``(alpha, 2 alpha eta^2 G^2 F / beta0)``
+  -RDP with ``F = max_tau 1 / (b_tau^2 sum_{t >= tau} 1/t)``, which is up to 2 for these sizes
+  (the paper's proof drops the 2 in ``b_t``). We account with the exact F: one Gaussian
+  mechanism of noise multiplier ``sqrt(beta0 / (4 eta^2 G^2 F))``. The bound needs every step to
+  be non-expansive: a convex, L-smooth per-example loss, ``eta <= 2 / L``, and a clip that never
+  binds (a binding clip can expand distances). The trainer enforces these for softmax
+  cross-entropy on one ``nn.Linear`` whose inputs have norm at most a declared
+  ``feature_norm_bound`` R (checked on the data): gradients are at most
+  ``sqrt(2 (R^2 + 1_bias))`` and ``L <= (R^2 + 1_bias) / 2``.
 - **multi pass** (Theorem 2's schedule):
   ``eta_t = sqrt(beta0) / (G sqrt(8 ln(2.5 t^2 / (n delta)) t))``, ``lambda_1 = 1 / eta_1``,
   ``lambda_t = 1/eta_t - 1/eta_{t-1}``, on Poisson samples of expected size ``batch``. Every
-  iterate is released, and each step is accounted as what it is: a Poisson-subsampled Gaussian
-  mechanism on ``(1 - lambda_t eta_t) eta_t sum_i clip(g_i) / batch`` with noise
-  ``sqrt(lambda_t eta_t (2 - lambda_t eta_t) beta0)`` (composed by dp-accounting; the paper's
+  iterate is released, under **add-remove** adjacency, and each step is accounted as what it
+  is: a Poisson-subsampled Gaussian mechanism on ``(1 - lambda_t eta_t) eta_t sum_i clip(g_i) /
+  batch`` (sensitivity ``(1 - lambda_t eta_t) eta_t G / batch``) with noise
+  ``sqrt(lambda_t eta_t (2 - lambda_t eta_t) beta0)``, composed by dp-accounting (the paper's
   own bound uses advanced composition instead). Noise multipliers are rounded *down* to three
   significant digits so equal steps merge; rounding down only over-states the privacy cost.
+  Since ``eta_t`` scales with ``sqrt(beta0) / G``, the noise multiplier does not depend on
+  ``beta0`` or G: the privacy is set by n, batch, delta and the number of steps alone (so beta0
+  cannot be calibrated to an epsilon), while beta0 and G set the step sizes.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed.accounting import PrivacyEvent, calibrate_noise_multiplier
+from gep_fed.accounting import PrivacyEvent, calibrate
 from gep_fed.groups import ParameterLayout
 from gep_fed.ledger import PrivacyLedger
 from gep_fed.mechanisms import GP
@@ -81,6 +91,27 @@ def single_pass_noise_multiplier(
     return math.sqrt(beta0 / factor) / (2 * eta * grad_bound)
 
 
+def single_pass_event(noise_multiplier: float, party: str = "") -> PrivacyEvent:
+    """The single-pass release: the last iterate, private against replacing one example."""
+    return PrivacyEvent(
+        "langevin",
+        noise_multiplier,
+        1.0,
+        1,
+        accounting_noise_multiplier=noise_multiplier,
+        party=party,
+        adjacency="replace-one",
+    )
+
+
+def softmax_linear_bounds(feature_norm_bound: float, bias: bool) -> tuple[float, float]:
+    """``(gradient bound, smoothness L)`` of softmax cross-entropy on a linear model whose
+    inputs have norm at most R: the gradient is ``(p - e_y) (x, 1_bias)^T`` with
+    ``||p - e_y|| <= sqrt(2)``, and the Hessian in the logits has eigenvalues <= 1/2."""
+    squared = feature_norm_bound**2 + (1.0 if bias else 0.0)
+    return math.sqrt(2.0 * squared), squared / 2.0
+
+
 def multi_pass_eta(t: int, n: int, beta0: float, grad_bound: float, delta: float) -> float:
     """Theorem 2's step size ``eta_t``."""
     return math.sqrt(beta0) / (grad_bound * math.sqrt(8 * math.log(2.5 * t * t / (n * delta)) * t))
@@ -114,15 +145,20 @@ class LangevinConfig:
     """Algorithm 1's knobs.
 
     Attributes:
-        schedule: "single-pass" (last iterate private, Proposition 4) or "multi-pass" (every
-            iterate private, per-step accounting).
-        grad_bound: G, each example's gradient is clipped to this norm.
+        schedule: "single-pass" (last iterate private against replacing one example,
+            Proposition 4) or "multi-pass" (every iterate private against adding or removing
+            one example, per-step accounting).
+        grad_bound: G, each example's gradient is clipped to this norm. Single pass: must be at
+            least the largest gradient norm, so that the clip never binds.
         beta0: the prior variance; with eta and G it sets the privacy (single pass:
-            noise multiplier sqrt(beta0) / (2 eta G)).
-        eta: the constant step size (single pass).
+            noise multiplier sqrt(beta0) / (2 eta G)); multi-pass: it scales the step sizes.
+        eta: the constant step size (single pass; at most 2 / L).
         steps: T for multi-pass (default n).
         batch: expected Poisson batch size (multi-pass).
         delta: used by Theorem 2's step-size schedule (multi-pass).
+        feature_norm_bound: R, declared bound on every example's input norm to the linear
+            layer (required for single pass, checked on the data); it fixes the gradient bound
+            and smoothness that amplification by iteration needs.
     """
 
     schedule: str = "single-pass"
@@ -132,6 +168,7 @@ class LangevinConfig:
     steps: int | None = None
     batch: int = 1
     delta: float = 1e-5
+    feature_norm_bound: float | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -140,26 +177,97 @@ class LangevinConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        r = self.feature_norm_bound
+        if r is not None and not (r > 0 and math.isfinite(r)):
+            raise ValueError(f"feature_norm_bound must be a finite number > 0, got {r}")
 
 
 def beta0_for_epsilon(
     target_epsilon: float, delta: float, eta: float, grad_bound: float, n: int
 ) -> float:
     """The prior variance that makes the single-pass last iterate on ``n`` examples
-    (epsilon, delta)-DP, calibrated by dp-accounting (one Gaussian mechanism)."""
-    sigma = calibrate_noise_multiplier(target_epsilon, delta, 1.0, 1, "gp")
+    (epsilon, delta)-DP against replacing one example, calibrated by dp-accounting."""
+    sigma = calibrate(target_epsilon, delta, single_pass_event)
     factor = amplification_factor(single_pass_batch_sizes(n))
     return factor * (2 * eta * grad_bound * sigma) ** 2
 
 
-def check_linear(model: nn.Module) -> None:
-    """The amplification-by-iteration guarantee needs a convex loss: accept linear models."""
+def multi_pass_rates(t: int, n: int, config: LangevinConfig) -> tuple[float, float]:
+    """``(eta_t, lambda_t)`` of Theorem 2's schedule on ``n`` examples."""
+    c = config
+    eta = multi_pass_eta(t, n, c.beta0, c.grad_bound, c.delta)
+    if t == 1:
+        return eta, 1.0 / eta
+    return eta, 1.0 / eta - 1.0 / multi_pass_eta(t - 1, n, c.beta0, c.grad_bound, c.delta)
+
+
+def multi_pass_events(
+    config: LangevinConfig, n: int, first_step: int, steps: int, party: str = ""
+) -> list[PrivacyEvent]:
+    """Per-step accounting of multi-pass steps ``first_step .. first_step + steps - 1``:
+    noise std over the sensitivity ``(1 - lambda_t eta_t) eta_t G / batch`` of the mean."""
+    c = config
+    q = min(1.0, c.batch / n)
+    events = []
+    for t in range(first_step, first_step + steps):
+        eta, lam = multi_pass_rates(t, n, c)
+        shrink = lam * eta
+        if shrink >= 1:  # the output forgets the gradient entirely: nothing released
+            continue
+        sensitivity = (1 - shrink) * eta * c.grad_bound / c.batch
+        sigma = _round_down(math.sqrt(shrink * (2 - shrink) * c.beta0) / sensitivity)
+        events.append(
+            PrivacyEvent("langevin", sigma, q, 1, accounting_noise_multiplier=sigma, party=party)
+        )
+    return events
+
+
+def check_linear(model: nn.Module) -> nn.Linear:
+    """The guarantees need a convex loss: accept a model with one ``nn.Linear`` (returned)."""
     layers = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     if len(layers) != 1 or not isinstance(layers[0], nn.Linear):
         raise IncompatibleModelError(
             "Langevin DP-SGD's guarantee (privacy amplification by iteration) holds for convex "
             "losses: use a single nn.Linear model (logistic or linear regression), e.g. "
             "gep_fed.MLP(in_features, classes, hidden=())"
+        )
+    return layers[0]
+
+
+def check_single_pass(config: LangevinConfig, layer: nn.Linear, loss_fn: LossFn) -> None:
+    """Refuse a single-pass configuration whose steps may be expansive, naming the failed
+    condition and its fix: amplification by iteration needs each step non-expansive."""
+    if loss_fn is not F.cross_entropy:
+        raise ValueError(
+            "single-pass Langevin needs loss_fn=F.cross_entropy: its gradient bound and "
+            "smoothness, which amplification by iteration needs, are derived for softmax "
+            "cross-entropy; use schedule='multi-pass' for other losses"
+        )
+    r = config.feature_norm_bound
+    if r is None:
+        raise ValueError(
+            "single-pass Langevin needs feature_norm_bound: declare R >= every example's input "
+            "norm (e.g. 1.0 for rows scaled to unit norm); it fixes the gradient bound and "
+            "smoothness that amplification by iteration needs"
+        )
+    bias = layer.bias is not None
+    need, smooth = softmax_linear_bounds(r, bias)
+    if config.grad_bound < need:
+        hint = ""
+        if bias:
+            hint = f", or use a model without bias (then >= {math.sqrt(2.0) * r:.4g})"
+        raise ValueError(
+            f"grad_bound={config.grad_bound} can bind: gradients reach {need:.4g} for inputs of "
+            f"norm <= {r}{' with a bias' if bias else ''}, and a binding clip can make a step "
+            "expansive, which voids amplification by iteration. Raise grad_bound to "
+            f">= {need:.4g}{hint}"
+        )
+    if config.eta > 2.0 / smooth:
+        raise ValueError(
+            f"eta={config.eta} exceeds 2/L = {2.0 / smooth:.4g} (L = {smooth:.4g}, the smoothness "
+            f"of softmax cross-entropy for inputs of norm <= {r}): the gradient step can then "
+            f"be expansive, which voids amplification by iteration. Lower eta to <= "
+            f"{2.0 / smooth:.4g}"
         )
 
 
@@ -168,9 +276,13 @@ class LangevinTrainer:
 
     Args:
         model: a single ``nn.Linear`` (logistic regression with cross-entropy by default).
-        config: schedule, G, beta0, eta.
+        config: schedule, G, beta0, eta (single pass: also feature_norm_bound).
+        loss_fn: single pass: ``F.cross_entropy`` only (its bounds are known).
         noise: Gaussian noise source (cryptographically seeded by default).
         generator: data order / sampling randomness (None: seeded from the OS).
+
+    Raises:
+        ValueError: single pass, when a condition of amplification by iteration fails.
     """
 
     def __init__(
@@ -184,7 +296,9 @@ class LangevinTrainer:
         generator: torch.Generator | None = None,
         party: str = "",
     ) -> None:
-        check_linear(model)
+        self.layer = check_linear(model)
+        if config.schedule == "single-pass":
+            check_single_pass(config, self.layer, loss_fn)
         self.model, self.config, self.loss_fn = model, config, loss_fn
         self.layout = ParameterLayout.from_model(model)
         self.ledger = ledger if ledger is not None else PrivacyLedger(config.delta)
@@ -206,22 +320,58 @@ class LangevinTrainer:
         c = self.config
         factor = amplification_factor(single_pass_batch_sizes(n))
         sigma = single_pass_noise_multiplier(c.eta, c.grad_bound, c.beta0, factor)
-        return [
-            PrivacyEvent(
-                "langevin", sigma, 1.0, 1, accounting_noise_multiplier=sigma, party=self.party
-            )
-        ]
+        return [single_pass_event(sigma, self.party)]
 
-    def fit(self, x: torch.Tensor, y: torch.Tensor, first_step: int = 1) -> list[torch.Tensor]:
+    def fit(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        first_step: int = 1,
+        *,
+        dataset_size: int | None = None,
+    ) -> list[torch.Tensor]:
         """Train on ``(x, y)``; returns the indices used per step (single pass: each at most
         once). The privacy cost is recorded before training starts. ``first_step`` continues a
-        multi-pass schedule (e.g. across federated rounds)."""
+        multi-pass schedule (e.g. across federated rounds); ``dataset_size`` is the public n
+        the multi-pass schedule (sample rate, step sizes) is computed for (default ``len(x)``).
+
+        Raises:
+            ValueError: single pass, when an example's input norm exceeds feature_norm_bound
+                (the message says only that, not which example or by how much): the guarantee
+                covers data sets inside the declared bound, and a refusal reveals that this
+                one is not.
+        """
         if self.config.schedule == "single-pass":
+            if dataset_size is not None:
+                raise ValueError("dataset_size applies to the multi-pass schedule only")
             return self._single_pass(x, y)
-        return self._multi_pass(x, y, first_step)
+        return self._multi_pass(x, y, first_step, dataset_size or len(x))
+
+    def _check_feature_norms(self, x: torch.Tensor) -> None:
+        seen = []
+        hook = self.layer.register_forward_hook(lambda _m, i, out: seen.append((i[0], out)))
+        try:
+            with torch.no_grad():
+                output = self.model(x)
+        finally:
+            hook.remove()
+        if len(seen) != 1 or seen[0][1] is not output:  # the bounds hold for these logits only
+            raise IncompatibleModelError(
+                "single-pass Langevin needs the model's output to be its nn.Linear layer's "
+                "output (the logits of softmax cross-entropy), unchanged"
+            )
+        inputs = seen[0][0]
+        r = self.config.feature_norm_bound
+        if bool((inputs.flatten(1).double().norm(dim=1) > r).any()):
+            raise ValueError(
+                f"an example's input norm exceeds feature_norm_bound={r}: scale the rows to "
+                "norm <= R (float rounding can lift a row scaled to exactly R above it: aim "
+                "just under) or declare a larger bound (grad_bound and eta follow it)"
+            )
 
     def _single_pass(self, x, y) -> list[torch.Tensor]:
         c, n = self.config, len(x)
+        self._check_feature_norms(x)
         self.ledger.record(*self.single_pass_events(n))
         order = torch.randperm(n, generator=self.generator)
         used, pos = [], 0
@@ -238,40 +388,18 @@ class LangevinTrainer:
 
     def multi_pass_events(self, n: int, first_step: int, steps: int) -> list[PrivacyEvent]:
         """Per-step accounting of steps ``first_step .. first_step + steps - 1``."""
-        c = self.config
-        q = min(1.0, c.batch / n)
-        events = []
-        for t in range(first_step, first_step + steps):
-            eta, lam = self._multi_pass_rates(t, n)
-            shrink = lam * eta
-            if shrink >= 1:  # the output forgets the gradient entirely: nothing released
-                continue
-            sigma = math.sqrt(shrink * (2 - shrink) * c.beta0) / ((1 - shrink) * eta * c.grad_bound)
-            sigma = _round_down(sigma)
-            events.append(
-                PrivacyEvent(
-                    "langevin", sigma, q, 1, accounting_noise_multiplier=sigma, party=self.party
-                )
-            )
-        return events
+        return multi_pass_events(self.config, n, first_step, steps, self.party)
 
-    def _multi_pass_rates(self, t: int, n: int) -> tuple[float, float]:
+    def _multi_pass(self, x, y, first_step: int, n: int) -> list[torch.Tensor]:
         c = self.config
-        eta = multi_pass_eta(t, n, c.beta0, c.grad_bound, c.delta)
-        if t == 1:
-            return eta, 1.0 / eta
-        return eta, 1.0 / eta - 1.0 / multi_pass_eta(t - 1, n, c.beta0, c.grad_bound, c.delta)
-
-    def _multi_pass(self, x, y, first_step: int = 1) -> list[torch.Tensor]:
-        c, n = self.config, len(x)
         steps = c.steps or n
         self.ledger.record(*self.multi_pass_events(n, first_step, steps))
-        sampler = PoissonSampler(n, min(1.0, c.batch / n), steps, self.generator)
+        sampler = PoissonSampler(len(x), min(1.0, c.batch / n), steps, self.generator)
         w = self.layout.flatten_params(self.model).clone()
         used = []
         for t, idx in enumerate(sampler, start=first_step):
             used.append(idx)
-            eta, lam = self._multi_pass_rates(t, n)
+            eta, lam = multi_pass_rates(t, n, c)
             self._set(w)
             grad = self._mean_clipped_gradient(x[idx], y[idx], float(c.batch))
             w = langevin_update(w, grad, eta, lam, c.beta0, self.noise)
@@ -285,6 +413,9 @@ __all__ = [
     "beta0_for_epsilon",
     "langevin_update",
     "multi_pass_eta",
+    "multi_pass_events",
     "single_pass_batch_sizes",
+    "single_pass_event",
     "single_pass_noise_multiplier",
+    "softmax_linear_bounds",
 ]

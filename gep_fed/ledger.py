@@ -1,8 +1,13 @@
 """``PrivacyLedger``: the append-only record of every accounted release, with its budget.
 
-Saved as JSON with a checksum, written atomically (write, fsync, rename), so a crash leaves
-either the old or the new file and a damaged file is refused rather than read as "nothing
-spent". Epsilon is always recomputed from the events by ``dp-accounting``.
+Saved as JSON, written atomically (write, fsync, rename), so a crash leaves either the old or
+the new file, and a damaged file is refused rather than read as "nothing spent". A site's
+ledger carries an HMAC-SHA256 under a key file that only the site holds (created with the
+ledger, permissions 0600): an edit made without the key is detected and refused. Without a
+key (a server's own ledger, in-memory use) the file carries a plain SHA-256 checksum, which
+catches damage but not a deliberate edit. What the HMAC does not stop: whoever holds the key
+(the site's own administrator) can rewrite the history. Epsilon is always recomputed from the
+events by ``dp-accounting``.
 """
 
 from __future__ import annotations
@@ -10,15 +15,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import json
 import math
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from gep_fed.accounting import PrivacyEvent, epsilon_pld, epsilon_rdp
 
 FORMAT = "gep-fed-ledger/1"
+KEY_BYTES = 32
+KEY_SUFFIX = ".key"
 
 
 class LedgerError(ValueError):
@@ -37,6 +46,7 @@ class PrivacyLedger:
         budget_epsilon: refuse releases that would bring epsilon above this (None: no limit).
         owner: whose releases these are (a site id, or "federation" for central mode).
         path: where ``record`` saves after each event (None: in memory only).
+        key: the site's HMAC key (``read_ledger_key``); None for an unkeyed ledger.
     """
 
     def __init__(
@@ -46,6 +56,7 @@ class PrivacyLedger:
         owner: str = "",
         path: str | Path | None = None,
         events: Sequence[PrivacyEvent] = (),
+        key: bytes | None = None,
     ) -> None:
         if not (0 < delta < 1):
             raise ValueError(f"ledger delta must be in (0, 1), got {delta}")
@@ -55,6 +66,7 @@ class PrivacyLedger:
         self.budget_epsilon = None if budget_epsilon is None else float(budget_epsilon)
         self.owner = owner
         self.path = None if path is None else Path(path)
+        self.key = key
         self._events: list[PrivacyEvent] = list(events)
         # Digest of the file as this object last read or wrote it: a save over a file that
         # another process changed since then would lose that process's releases.
@@ -126,11 +138,18 @@ class PrivacyLedger:
 
     def to_json(self) -> str:
         body = self._body()
-        body["sha256"] = _digest(body)
+        if self.key is not None:
+            body["hmac-sha256"] = _mac(self.key, body)
+        else:
+            body["sha256"] = _digest(body)
         return json.dumps(body, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "ledger") -> PrivacyLedger:
+    def from_json(
+        cls, text: str, source: str = "ledger", key: bytes | None = None
+    ) -> PrivacyLedger:
+        """Parse and verify a ledger: its HMAC under ``key`` (a keyed ledger), else its
+        checksum. Anything that does not verify is a ``LedgerError``."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -141,15 +160,30 @@ class PrivacyLedger:
             ) from err
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise LedgerError(f"{source} is not a {FORMAT} file")
-        digest = data.pop("sha256", None)
-        if digest != _digest(data):
+        mac, digest = data.pop("hmac-sha256", None), data.pop("sha256", None)
+        if key is not None:
+            if mac is None:
+                raise LedgerError(
+                    f"{source} carries no HMAC under the site's key: it was written without "
+                    "the key or replaced. It is left untouched; restore it from a backup"
+                )
+            if not hmac.compare_digest(str(mac), _mac(key, data)):
+                raise LedgerError(
+                    f"{source} fails its HMAC check: it was changed without the site's key, or "
+                    "damaged. It is left untouched; restore it from a backup"
+                )
+        elif mac is not None:
+            raise LedgerError(f"{source} is protected by a site key: open it with that key")
+        elif digest != _digest(data):
             raise LedgerError(
                 f"{source} fails its checksum: its contents were changed or damaged. It is left "
                 "untouched; restore it from a backup"
             )
         try:
             events = [PrivacyEvent.from_dict(e) for e in data["events"]]
-            return cls(data["delta"], data["budget_epsilon"], data["owner"], events=events)
+            return cls(
+                data["delta"], data["budget_epsilon"], data["owner"], events=events, key=key
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise LedgerError(f"{source} has an invalid entry: {err}") from err
 
@@ -183,16 +217,21 @@ class PrivacyLedger:
         return target
 
     @classmethod
-    def load(cls, path: str | Path) -> PrivacyLedger:
+    def load(cls, path: str | Path, key: bytes | None = None) -> PrivacyLedger:
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as err:
             raise LedgerError(f"cannot read ledger {path}: {err}") from err
-        ledger = cls.from_json(text, source=f"ledger {path}")
+        ledger = cls.from_json(text, source=f"ledger {path}", key=key)
         ledger.path = path
         ledger._disk_digest = hashlib.sha256(text.encode()).hexdigest()
         return ledger
+
+    @classmethod
+    def load_keyed(cls, path: str | Path, key_path: str | Path | None = None) -> PrivacyLedger:
+        """A site's ledger, verified under its key file (default: ``<path>.key``)."""
+        return cls.load(path, read_ledger_key(key_path or default_key_path(path)))
 
     @classmethod
     def open(
@@ -201,18 +240,30 @@ class PrivacyLedger:
         delta: float,
         budget_epsilon: float | None = None,
         owner: str = "",
+        *,
+        key: bytes | None = None,
+        create: bool = False,
     ) -> PrivacyLedger:
-        """Load the ledger at ``path``, or start an empty one there if no file exists.
+        """Load the ledger at ``path``; with ``create``, start an empty one if none exists.
 
-        An existing file must have the same delta; its budget is replaced by
-        ``budget_epsilon`` (the owner's current choice).
+        Without ``create`` a missing file is an error: a party that already released must
+        never restart its accounting from zero because its file went missing. An existing
+        file must have the same delta; its budget is replaced by ``budget_epsilon`` (the
+        owner's current choice).
         """
         path = Path(path)
         if not path.exists():
-            ledger = cls(delta, budget_epsilon, owner, path)
+            if not create:
+                raise LedgerError(
+                    f"ledger {path} does not exist. Privacy accounting is never restarted "
+                    "silently: restore the file from a backup, or, if this party has never "
+                    "released anything from this data, create it once (`gep-fed ledger init`, "
+                    "or node config new-ledger=true)"
+                )
+            ledger = cls(delta, budget_epsilon, owner, path, key=key)
             ledger.save()
             return ledger
-        ledger = cls.load(path)
+        ledger = cls.load(path, key)
         if not math.isclose(ledger.delta, delta, rel_tol=0, abs_tol=0):
             raise LedgerError(
                 f"ledger {path} accounts at delta={ledger.delta:g}, but delta={delta:g} was "
@@ -249,5 +300,62 @@ def _locked(path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True).encode()
+
+
 def _digest(body: dict) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(_canonical(body)).hexdigest()
+
+
+def _mac(key: bytes, body: dict) -> str:
+    return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+
+
+def default_key_path(ledger_path: str | Path) -> Path:
+    """Where a ledger's key lives unless configured otherwise: beside it, ``<ledger>.key``."""
+    return Path(str(ledger_path) + KEY_SUFFIX)
+
+
+def create_ledger_key(path: str | Path) -> bytes:
+    """Write a new random HMAC key to ``path`` (owner read/write only); refuses to overwrite
+    an existing key, which would orphan the ledger it protects."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = os.urandom(KEY_BYTES)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise LedgerError(f"ledger key {path} already exists; not replacing it") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex() + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return key
+
+
+def read_ledger_key(path: str | Path) -> bytes:
+    """The HMAC key at ``path``; refuses a missing, malformed or group/world-readable key."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        raise LedgerError(
+            f"ledger key {path} is missing: the ledger cannot be verified without it. "
+            "Restore the key from the site's backup"
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise LedgerError(f"cannot read ledger key {path}: {err}") from err
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise LedgerError(
+            f"ledger key {path} is accessible to other users (mode {stat.S_IMODE(mode):o}); "
+            f"make it private with: chmod 600 {path}"
+        )
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise LedgerError(f"ledger key {path} is not a {KEY_BYTES}-byte hex key")
+    return key

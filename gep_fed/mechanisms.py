@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from gep_fed.accounting import PrivacyEvent, calibrate
 from gep_fed.noise import NoiseSource
 from gep_fed.subspace import AnchorSubspace
 
@@ -22,10 +24,6 @@ from gep_fed.subspace import AnchorSubspace
 # the resulting slack so that rounding can only make clipping stricter, never looser.
 _U32 = 2.0**-24
 _ROUNDING_SAFETY = 16.0
-
-
-class NonFiniteGradientError(ValueError):
-    """A per-example gradient holds NaN or inf; clipping cannot bound such an example."""
 
 
 @dataclass(frozen=True)
@@ -65,19 +63,26 @@ class PerExampleClipping:
 
     ``embedding`` is the ``(n, k)`` embedding actually used; ``embedding_scale`` and
     ``residual_scale`` the clip factors applied to the embedding and to the residual
-    ``g_i - lift(embedding_i)`` (or to ``g_i`` itself for GP).
+    ``g_i - lift(embedding_i)`` (or to ``g_i`` itself for GP). ``dropped`` marks the rows
+    with NaN or inf: their clip factors are 0 and they contribute nothing (None: no such row).
     """
 
     embedding: torch.Tensor | None
     embedding_scale: torch.Tensor | None
     residual_scale: torch.Tensor | None
+    dropped: torch.Tensor | None = None
 
 
 class Mechanism(ABC):
-    """A private gradient estimator: clip per example, sum, add noise, reconstruct."""
+    """A private gradient estimator: clip per example, sum, add noise, reconstruct.
 
-    name: str
-    uses_subspace: bool
+    ``releases`` (how many clipped vectors one step releases) decides the accounting; every
+    ``PrivacyEvent`` of a mechanism is built by its ``event`` from it.
+    """
+
+    name: ClassVar[str]
+    uses_subspace: ClassVar[bool]
+    releases: ClassVar[int]
 
     @abstractmethod
     def clip(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> PerExampleClipping:
@@ -93,18 +98,38 @@ class Mechanism(ABC):
     def noise_stds(self, noise_multiplier: float) -> tuple[float | None, float | None]:
         """Standard deviations of the noise on (embedding, residual)."""
 
-    @property
-    @abstractmethod
-    def releases(self) -> int:
-        """How many clipped vectors one step releases (GEP: two)."""
-
-    def accounting_noise_multiplier(self, noise_multiplier: float) -> float:
+    @classmethod
+    def accounting_noise_multiplier(cls, noise_multiplier: float) -> float:
         """The noise multiplier of the equivalent single Gaussian mechanism of sensitivity 1.
 
         Releasing ``r`` vectors each clipped to ``S_j`` with noise ``sigma * S_j`` is one Gaussian
         mechanism on the concatenation of ``x_j / S_j``, of L2 sensitivity ``sqrt(r)``.
         """
-        return noise_multiplier / math.sqrt(self.releases)
+        return noise_multiplier / math.sqrt(cls.releases)
+
+    @classmethod
+    def event(
+        cls,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int = 1,
+        *,
+        party: str = "",
+        round: int | None = None,
+        placement: str = "local",
+    ) -> PrivacyEvent:
+        """``steps`` releases of this mechanism at noise multiplier sigma on Poisson samples
+        of rate q, as the accountant composes them."""
+        return PrivacyEvent(
+            cls.name,
+            noise_multiplier,
+            sample_rate,
+            steps,
+            cls.accounting_noise_multiplier(noise_multiplier),
+            party=party,
+            round=round,
+            placement=placement,
+        )
 
     def clipped_sums(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> ClippedSums:
         """Clip each row of ``grads`` (a ``(n, p)`` matrix, ``n`` may be 0) and sum."""
@@ -118,7 +143,10 @@ class Mechanism(ABC):
             raise ValueError(
                 f"gradients have {grads.shape[1]} columns, layout has {subspace.layout.size}"
             )
-        return self.sums(grads, subspace, self.clip(grads, subspace))
+        clipping = self.clip(grads, subspace)
+        if clipping.dropped is not None:  # 0 * NaN is NaN: zero the rows, not only the factors
+            grads = grads.masked_fill(clipping.dropped[:, None], 0.0)
+        return self.sums(grads, subspace, clipping)
 
     def add_noise(
         self, sums: ClippedSums, noise_multiplier: float, noise: NoiseSource
@@ -164,21 +192,21 @@ def row_norms(matrix: torch.Tensor, block: int = 64) -> torch.Tensor:
     return out
 
 
-def _finite(norms: torch.Tensor) -> torch.Tensor:
-    """Refuse rows with NaN or inf: any such entry makes the row's float64 norm non-finite
-    (and its embedding's too, since inf * 0 is NaN), so checking norms checks every entry."""
+def _nonfinite_rows(norms: torch.Tensor) -> torch.Tensor | None:
+    """Rows with NaN or inf (any such entry makes the row's float64 norm non-finite, and its
+    embedding's too, since inf * 0 is NaN), or None when every row is finite.
+
+    Such an example gets clip factor 0: it contributes nothing, and it is counted nowhere, so
+    neither its presence nor the number of such examples is released (an error message
+    saying "3 examples overflowed" would be a data-dependent release)."""
     bad = ~torch.isfinite(norms)
-    if bool(bad.any()):
-        raise NonFiniteGradientError(
-            f"{int(bad.sum())} example(s) have non-finite gradients (NaN or inf); check the "
-            "inputs and the loss for overflow, e.g. lower the learning rate"
-        )
-    return norms
+    return bad if bool(bad.any()) else None
 
 
-def _scale(norms: torch.Tensor, bound: float) -> torch.Tensor:
-    """``min(1, bound / norm)``, with zero vectors left unscaled."""
-    return (bound / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp_max(1.0)
+def _scale(norms: torch.Tensor, bound: float, dropped: torch.Tensor | None) -> torch.Tensor:
+    """``min(1, bound / norm)``, zero vectors left unscaled, dropped rows scaled by 0."""
+    scale = (bound / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp_max(1.0)
+    return scale if dropped is None else scale.masked_fill(dropped, 0.0)
 
 
 def _check_bound(name: str, value: float) -> float:
@@ -201,16 +229,13 @@ class GEP(Mechanism):
 
     clip_embedding: float
     clip_residual: float
-    name = "gep"
-    uses_subspace = True
+    name: ClassVar[str] = "gep"
+    uses_subspace: ClassVar[bool] = True
+    releases: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         _check_bound("clip_embedding (S1)", self.clip_embedding)
         _check_bound("clip_residual (S2)", self.clip_residual)
-
-    @property
-    def releases(self) -> int:
-        return 2
 
     def noise_stds(self, noise_multiplier):
         return noise_multiplier * self.clip_embedding, noise_multiplier * self.clip_residual
@@ -229,14 +254,17 @@ class GEP(Mechanism):
             err = _ROUNDING_SAFETY * _U32 * math.sqrt(basis.shape[0] * basis.shape[1])
             w_norm = row_norms(emb[:, ks])
             slack += 2.0 * w_norm * err * g2.sqrt()
-        _finite(grad_norm2 + emb_norm2)
+        dropped = _nonfinite_rows(grad_norm2 + emb_norm2)
+        if dropped is not None:
+            emb = emb.masked_fill(dropped[:, None], 0.0)
         ortho = subspace.orthonormality_error
         resid2 = (grad_norm2 - emb_norm2).clamp_min(0) + ortho * emb_norm2 + slack
         resid2 += 4 * torch.finfo(torch.float64).eps * grad_norm2
         return PerExampleClipping(
             embedding=emb,
-            embedding_scale=_scale(emb_norm2.sqrt(), self.clip_embedding).to(grads.dtype),
-            residual_scale=_scale(resid2.sqrt(), self.clip_residual).to(grads.dtype),
+            embedding_scale=_scale(emb_norm2.sqrt(), self.clip_embedding, dropped).to(grads.dtype),
+            residual_scale=_scale(resid2.sqrt(), self.clip_residual, dropped).to(grads.dtype),
+            dropped=dropped,
         )
 
     def sums(self, grads, subspace, clipping):
@@ -256,23 +284,24 @@ class BGEP(Mechanism):
     """
 
     clip_embedding: float
-    name = "bgep"
-    uses_subspace = True
+    name: ClassVar[str] = "bgep"
+    uses_subspace: ClassVar[bool] = True
+    releases: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         _check_bound("clip_embedding (S1)", self.clip_embedding)
-
-    @property
-    def releases(self) -> int:
-        return 1
 
     def noise_stds(self, noise_multiplier):
         return noise_multiplier * self.clip_embedding, None
 
     def clip(self, grads, subspace):
         emb = subspace.embed(grads)
-        norms = _finite(row_norms(emb))
-        return PerExampleClipping(emb, _scale(norms, self.clip_embedding).to(grads.dtype), None)
+        norms = row_norms(emb)
+        dropped = _nonfinite_rows(norms)
+        if dropped is not None:
+            emb = emb.masked_fill(dropped[:, None], 0.0)
+        scale = _scale(norms, self.clip_embedding, dropped).to(grads.dtype)
+        return PerExampleClipping(emb, scale, None, dropped)
 
     def sums(self, grads, subspace, clipping):
         return ClippedSums(embedding=clipping.embedding.T @ clipping.embedding_scale, residual=None)
@@ -288,22 +317,49 @@ class GP(Mechanism):
     """
 
     clip_norm: float
-    name = "gp"
-    uses_subspace = False
+    name: ClassVar[str] = "gp"
+    uses_subspace: ClassVar[bool] = False
+    releases: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         _check_bound("clip_norm (S)", self.clip_norm)
-
-    @property
-    def releases(self) -> int:
-        return 1
 
     def noise_stds(self, noise_multiplier):
         return None, noise_multiplier * self.clip_norm
 
     def clip(self, grads, subspace):
-        norms = _finite(row_norms(grads))
-        return PerExampleClipping(None, None, _scale(norms, self.clip_norm).to(grads.dtype))
+        norms = row_norms(grads)
+        dropped = _nonfinite_rows(norms)
+        scale = _scale(norms, self.clip_norm, dropped).to(grads.dtype)
+        return PerExampleClipping(None, None, scale, dropped)
 
     def sums(self, grads, subspace, clipping):
         return ClippedSums(embedding=None, residual=grads.T @ clipping.residual_scale)
+
+
+MECHANISM_CLASSES: dict[str, type[Mechanism]] = {m.name: m for m in (GEP, BGEP, GP)}
+
+
+def mechanism_class(name: str) -> type[Mechanism]:
+    """The mechanism called ``name`` ("gep", "bgep" or "gp")."""
+    if name not in MECHANISM_CLASSES:
+        raise ValueError(f"mechanism must be one of {sorted(MECHANISM_CLASSES)}, got {name!r}")
+    return MECHANISM_CLASSES[name]
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    mechanism: str | type[Mechanism] = "gep",
+    tol: float = 1e-4,
+) -> float:
+    """The smallest sigma (up to ``tol``) whose RDP epsilon after ``steps`` releases of
+    ``mechanism`` on Poisson samples of rate ``sample_rate`` is <= ``target_epsilon``.
+
+    ``sigma`` is the mechanism's own noise multiplier (for GEP, before the sqrt(2) of its two
+    releases). Raises ``ImpossibleTargetError`` when no sigma up to 1e4 reaches the target.
+    """
+    cls = mechanism_class(mechanism) if isinstance(mechanism, str) else mechanism
+    return calibrate(target_epsilon, delta, lambda s: cls.event(s, sample_rate, steps), tol)

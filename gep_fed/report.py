@@ -50,7 +50,12 @@ def render_report(run_dir: str | Path) -> Path:
         f"- noise source: {config.get('noise')}",
     ]
     ledger_path = run.ledger_path
-    if ledger_path.exists():
+    if mech == "langevin":
+        lines.append(
+            "- privacy spent: Langevin's epsilon depends on each site's data size, so only the "
+            "sites' own ledgers hold it (the table shows the largest a site reported)"
+        )
+    elif ledger_path.exists():
         ledger = PrivacyLedger.load(ledger_path)
         who = "the federation" if mode == "central" else "each participating site (expected)"
         lines.append(
@@ -58,14 +63,12 @@ def render_report(run_dir: str | Path) -> Path:
             f"{ledger.epsilon('pld'):.4f} (PLD) at delta = {ledger.delta:g} over "
             f"{ledger.steps} accounted step(s)"
         )
-    if mode == "client":
-        sites = sorted((run.path / "sites").glob("*/ledger.json"))
-        for path in sites:
-            site = PrivacyLedger.load(path)
-            lines.append(
-                f"  - site `{path.parent.name}` (its own ledger): epsilon = "
-                f"{site.epsilon():.4f} over {site.steps} step(s)"
-            )
+    for path in sorted((run.path / "sites").glob("*/ledger.json")):  # simulated sites
+        site = PrivacyLedger.load_keyed(path)
+        lines.append(
+            f"  - site `{path.parent.name}` (its own ledger): epsilon = "
+            f"{site.epsilon():.4f} over {site.steps} step(s)"
+        )
     if rows:
         last = rows[-1]
         lines.append(

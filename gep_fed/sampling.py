@@ -48,7 +48,10 @@ class PoissonSampler:
 
     def sample(self) -> torch.Tensor:
         """One batch: a sorted ``int64`` tensor of indices, possibly empty."""
-        mask = torch.rand(self.num_examples, generator=self.generator) < self.sample_rate
+        # float64 uniforms: float32 ones are multiples of 2^-24, which would include each
+        # example with probability ceil(q 2^24) / 2^24 >= q, above the accounted rate.
+        u = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64)
+        mask = u < self.sample_rate
         return mask.nonzero().flatten()
 
     def __iter__(self) -> Iterator[torch.Tensor]:

@@ -18,28 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed.accounting import PrivacyEvent
 from gep_fed.anchors import AnchorResult, compute_anchor_subspace
 from gep_fed.config import GEPConfig
 from gep_fed.groups import ParameterLayout
 from gep_fed.ledger import PrivacyLedger
-from gep_fed.mechanisms import BGEP, GEP, GP, ClippedSums, Mechanism
+from gep_fed.mechanisms import ClippedSums, Mechanism
 from gep_fed.noise import NoiseSource
 from gep_fed.per_example import LossFn, per_example_gradients, validate_model
 from gep_fed.subspace import AnchorSubspace
-
-
-def make_mechanism(
-    config: GEPConfig, clip_embedding: float | None = None, clip_residual: float | None = None
-) -> Mechanism:
-    """The mechanism ``config`` names, with the given (e.g. anchor-derived) clip norms."""
-    s1 = clip_embedding if clip_embedding is not None else config.clip_embedding
-    s2 = clip_residual if clip_residual is not None else config.clip_residual
-    if config.mechanism == "gep":
-        return GEP(s1, s2)
-    if config.mechanism == "bgep":
-        return BGEP(s1)
-    return GP(config.clip_norm)
 
 
 @dataclass(frozen=True)
@@ -98,7 +84,7 @@ class GEPStep:
         self.party = party
         self.round = round
         self.layout = ParameterLayout.from_model(model, config.groups)
-        self.mechanism = make_mechanism(config)
+        self.mechanism = config.contract.build_mechanism()
         self.subspace: AnchorSubspace | None = None
         self._steps_since_refresh = 0
         self._external_subspace = False
@@ -130,8 +116,8 @@ class GEPStep:
         )
         self.subspace = result.subspace
         if self.config.clip_quantile is not None:
-            self.mechanism = make_mechanism(
-                self.config, result.clip_embedding, result.clip_residual
+            self.mechanism = self.config.contract.build_mechanism(
+                result.clip_embedding, result.clip_residual
             )
         self._steps_since_refresh = 0
         return result
@@ -169,12 +155,9 @@ class GEPStep:
         budget raises ``BudgetExceededError`` before anything is computed, and a step that
         fails after recording is over-counted, never under-counted.
         """
-        event = PrivacyEvent(
-            self.config.mechanism,
-            self.config.noise_multiplier,
-            self.config.sample_rate,
-            party=self.party,
-            round=self.round,
+        config = self.config
+        event = self.mechanism.event(
+            config.noise_multiplier, config.sample_rate, party=self.party, round=self.round
         )
         self.ledger.record(event)
         refreshed = None

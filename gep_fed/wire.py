@@ -13,17 +13,19 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from gep_fed.config import MODES, ConfigError, PrivacyContract
 from gep_fed.groups import ParameterLayout
 from gep_fed.mechanisms import ClippedSums
 from gep_fed.subspace import AnchorSubspace
 
-PROTOCOL_VERSION = 1
+# 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
+PROTOCOL_VERSION = 2
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -34,10 +36,58 @@ MODEL_DELTA = "model-delta"  # site -> server (client-side): noisy delta per par
 REPLY_META = "reply-meta"  # site -> server: protocol, round, mode
 REPLY_METRICS = "metrics"  # site -> server: counts of bytes, steps, epsilon (data-free)
 
-MODES = ("central", "client")
 BASIS_DTYPES = ("float32", "float16")
 # Largest array a reply may declare, in elements; anything bigger is rejected unread.
 MAX_ELEMENTS = 200_000_000
+# A received basis further than this from orthonormal (max_g ||B_g^T B_g - I||_F) is refused.
+# Clipping stays correct for any basis (the residual bound includes this error), but a basis
+# this far off is not one the server computed honestly; float16 transport stays far below.
+MAX_BASIS_ORTHONORMALITY_ERROR = 0.05
+
+# Why a site refused a round: a fixed vocabulary, so a refusal carries no data-dependent text.
+# Sent as a Flower ``Error(code, reason)``; the server records only codes it knows.
+REFUSALS = {
+    "malformed round": 601,
+    "mode not allowed": 602,
+    "over budget": 603,
+    "replayed round": 604,
+    "site error": 605,
+}
+
+
+class RoundRefused(Exception):
+    """A site declines a round; ``reason`` is one of ``REFUSALS`` (nothing data-dependent)."""
+
+    def __init__(self, reason: str) -> None:
+        if reason not in REFUSALS:
+            raise ValueError(f"unknown refusal {reason!r}; known: {sorted(REFUSALS)}")
+        super().__init__(reason)
+        self.reason = reason
+        self.code = REFUSALS[reason]
+
+
+# Flower's own error codes (flwr.common.constant.ErrorCode), described without their text,
+# which may hold an exception message from the site.
+_FLOWER_ERRORS = {
+    0: "unknown error",
+    1: "the site could not load its ClientApp",
+    2: "the site's ClientApp raised an exception",
+    3: "message unavailable",
+    4: "reply unavailable",
+    5: "node unavailable",
+    6: "a mod's precondition failed",
+    7: "invalid app bundle",
+    8: "the site's ClientApp crashed",
+}
+
+
+def describe_error(code: int, reason: str | None) -> str:
+    """A site's error reply as the server may record it: a refusal code's fixed text, or a
+    fixed description of Flower's code; never the free text of the reply."""
+    for text, known in REFUSALS.items():
+        if code == known:
+            return f"refused: {text}"
+    return f"{_FLOWER_ERRORS.get(code, 'error')} (code {code}; any text withheld)"
 
 
 class WireError(ValueError):
@@ -78,19 +128,19 @@ def as_wire_array(array: np.ndarray) -> WireArray:
 
 @dataclass(frozen=True)
 class RoundConfig:
-    """What the server tells every site for one round (public information only).
+    """What the server asks of every site for one round (public information only).
+
+    A site checks all of it against its own policy and ledger before computing anything.
 
     Attributes:
-        round: the federated round (from 1).
+        round: the federated round (from 1; strictly increasing within a run).
         mode: "central" (site sends unnoised clipped sums to a trusted server) or "client"
             (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta).
-        mechanism: "gep", "bgep", "gp" or "langevin".
-        sample_rate: q, every site's Poisson sampling rate.
-        noise_multiplier: sigma (client mode: applied by the site).
-        clip_embedding, clip_residual, clip_norm: S1, S2 (GEP/B-GEP) and S (GP).
+        privacy: the privacy contract (mechanism, sigma, q, clip norms): what the site clips,
+            noises and accounts, and what the server's own mechanism is built from.
         local_steps, local_lr, local_momentum: the site's optimiser in client mode.
-        basis_id: which basis the site must use; a site keeps the last one it received, so
-            the server sends the basis only when ``basis_id`` changes.
+        basis_id: which basis the site must use (-1: none); a site keeps the last one it
+            received, so the server sends the basis only when ``basis_id`` changes.
         basis_dtype: "float32" or "float16" on the wire (the site uses what it received).
         layout: the parameter layout as JSON (names, shapes, groups).
         model_spec: the architecture and input normalisation as JSON (``ModelSpec``).
@@ -98,12 +148,7 @@ class RoundConfig:
 
     round: int
     mode: str
-    mechanism: str
-    sample_rate: float
-    noise_multiplier: float
-    clip_embedding: float
-    clip_residual: float
-    clip_norm: float
+    privacy: PrivacyContract
     local_steps: int
     local_lr: float
     local_momentum: float
@@ -111,34 +156,71 @@ class RoundConfig:
     basis_dtype: str
     layout: str
     model_spec: str
-    langevin_beta0: float = 0.0
     protocol: int = PROTOCOL_VERSION
 
     def to_record(self) -> dict:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "privacy"}
+        return {**out, **self.privacy.to_record()}
 
     @classmethod
     def from_record(cls, record: Mapping, sender: str = "server") -> RoundConfig:
+        """Decode and validate every field; anything wrong is a ``WireError`` naming it."""
         values = dict(record)
-        optional = {"protocol", "langevin_beta0"}
-        missing = [f.name for f in fields(cls) if f.name not in values and f.name not in optional]
+        _check_protocol(sender, ROUND_CONFIG, values.get("protocol"))
+        try:
+            privacy = PrivacyContract.from_record(values)
+        except ConfigError as err:
+            raise WireError(sender, f"{ROUND_CONFIG}.privacy", str(err)) from None
+        plain = {f.name for f in fields(cls)} - {"privacy"}
+        missing = sorted(plain - set(values))
         if missing:
             raise WireError(sender, ROUND_CONFIG, f"missing keys {missing}")
-        _check_protocol(sender, ROUND_CONFIG, values.get("protocol"))
-        known = {f.name for f in fields(cls)}
-        cfg = cls(**{k: v for k, v in values.items() if k in known})
-        if cfg.mode not in MODES:
-            raise WireError(sender, "mode", f"must be one of {MODES}, got {cfg.mode!r}")
-        if cfg.basis_dtype not in BASIS_DTYPES:
-            raise WireError(sender, "basis_dtype", f"must be one of {BASIS_DTYPES}")
-        if not (0 < cfg.sample_rate <= 1):
-            raise WireError(sender, "sample_rate", f"must be in (0, 1], got {cfg.sample_rate}")
-        if cfg.local_steps < 1:
-            raise WireError(sender, "local_steps", f"must be >= 1, got {cfg.local_steps}")
+        unknown = sorted(k for k in values if k not in plain and not k.startswith("privacy."))
+        if unknown:
+            raise WireError(sender, ROUND_CONFIG, f"unexpected keys {unknown}")
+        for name, kind in _ROUND_TYPES.items():
+            value = values[name]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                values[name] = value = float(value)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise WireError(sender, name, f"must be {kind.__name__}, got {value!r}")
+        cfg = cls(privacy=privacy, **{k: values[k] for k in plain})
+        checks = {
+            "round": cfg.round >= 1,
+            "mode": cfg.mode in MODES,
+            "local_steps": cfg.local_steps >= 1,
+            "local_lr": math.isfinite(cfg.local_lr) and cfg.local_lr >= 0,
+            "local_momentum": 0 <= cfg.local_momentum < 1,
+            "basis_id": cfg.basis_id >= -1,
+            "basis_dtype": cfg.basis_dtype in BASIS_DTYPES,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise WireError(sender, name, f"out of range: {getattr(cfg, name)!r}")
+        if privacy.mechanism_type.uses_subspace != (cfg.basis_id >= 0):
+            raise WireError(sender, "basis_id", "does not match the mechanism")
+        try:
+            cfg.parameter_layout()
+            json.loads(cfg.model_spec)
+        except (ValueError, KeyError, TypeError) as err:
+            raise WireError(sender, "layout", f"cannot be decoded: {err}") from None
         return cfg
 
     def parameter_layout(self) -> ParameterLayout:
         return ParameterLayout.from_dict(json.loads(self.layout))
+
+
+_ROUND_TYPES = {
+    "round": int,
+    "mode": str,
+    "local_steps": int,
+    "local_lr": float,
+    "local_momentum": float,
+    "basis_id": int,
+    "basis_dtype": str,
+    "layout": str,
+    "model_spec": str,
+}
 
 
 def _check_protocol(sender: str, field: str, version: object) -> None:
@@ -231,7 +313,15 @@ def decode_basis(
         value = _read_array(sender, BASIS, arrays, name, (group.size, k), (dtype,))
         bases.append(torch.from_numpy(value.astype(np.float32)))
     _no_extra(sender, BASIS, arrays, {f"basis.{i}" for i in range(len(layout.groups))})
-    return AnchorSubspace(layout, tuple(bases))
+    subspace = AnchorSubspace(layout, tuple(bases))
+    if not subspace.orthonormality_error <= MAX_BASIS_ORTHONORMALITY_ERROR:
+        raise WireError(
+            sender,
+            BASIS,
+            f"not orthonormal (error {subspace.orthonormality_error:.3g} > "
+            f"{MAX_BASIS_ORTHONORMALITY_ERROR})",
+        )
+    return subspace
 
 
 # -- central mode: clipped sums --------------------------------------------------------------

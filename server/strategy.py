@@ -10,7 +10,6 @@ server's data; record the round in the ledger, checkpoint, and append the round'
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -113,8 +112,8 @@ class GEPStrategy(Strategy):
         if node in seen:
             raise wire.WireError(sender, "reply", "duplicate reply for this round")
         seen.add(node)
-        if msg.has_error():
-            raise wire.WireError(sender, "error", str(msg.error.reason).strip()[-500:])
+        if msg.has_error():  # recorded as a fixed text: a reply's free text is never kept
+            raise wire.WireError(sender, "error", wire.describe_error(msg.error.code, None))
         content = msg.content
         if wire.REPLY_META not in content.config_records:
             raise wire.WireError(sender, wire.REPLY_META, "missing")
@@ -174,7 +173,9 @@ class GEPStrategy(Strategy):
             self.server.apply_central(server_round, accepted)
         else:
             self.server.apply_client(server_round, accepted)
-            info["site_epsilon_max"] = max(m.get("site-epsilon", math.nan) for m in site_metrics)
+            reported = [m["site-epsilon"] for m in site_metrics if "site-epsilon" in m]
+            if reported:
+                info["site_epsilon_max"] = max(reported)
         unprotected = [m[k] for m in site_metrics for k in m if "OUTSIDE-PRIVACY" in k]
         if unprotected:
             info["site_train_loss_OUTSIDE_PRIVACY_GUARANTEE"] = unprotected
@@ -209,6 +210,7 @@ class GEPStrategy(Strategy):
         if first > 1:
             log.info("resuming after round %d from %s", first - 1, self.server.run.path)
         result = Result()
+        site_epsilon = None  # the largest epsilon the sites' own ledgers reported so far
         bar = tqdm(
             range(first, num_rounds + 1),
             initial=first - 1,
@@ -231,10 +233,12 @@ class GEPStrategy(Strategy):
             )
             self.aggregate_train(rnd, replies)
             evaluation = self.server.evaluate()
+            if "site_epsilon_max" in self._round_info:
+                site_epsilon = self._round_info["site_epsilon_max"]
             record = {
                 "round": rnd,
                 **{f"test_{k}": v for k, v in evaluation.items()},
-                "epsilon": self.server.ledger.epsilon(),
+                "epsilon": self.server.epsilon_spent(site_epsilon),
                 "delta": self.cfg.delta,
                 "round_seconds": time.perf_counter() - began,
                 **self._round_info,

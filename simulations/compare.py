@@ -82,7 +82,7 @@ def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
         x,
         y,
         task.public_tensor(),
-        replace(fed.gep_config(sigma), basis_refresh=fed.basis_refresh),
+        replace(fed.anchor_config(fed.contract(sigma)), basis_refresh=fed.basis_refresh),
         fed.rounds,
         OptimizerConfig(lr=fed.server_lr, momentum=fed.server_momentum),
         delta=fed.delta,

@@ -21,6 +21,23 @@ class SimulationResult:
     seconds: float
 
 
+def simulated_site_settings(fed: FederationConfig) -> dict:
+    """The simulated sites' own settings (node-config keys): the local user runs every site
+    of a simulation, so the sites accept the simulated mode and budget. A deployed site sets
+    these in its node config; nothing here reaches a site through the run config."""
+    settings = {
+        "epsilon-budget": fed.target_epsilon,
+        "delta": fed.delta,
+        "accept-modes": fed.mode,
+        "release-metrics": fed.release_site_metrics,
+        "allow-no-noise": fed.noise_multiplier == 0,
+        "ledger-dir": str(Path(fed.run_directory("")) / "sites"),
+    }
+    if fed.noise_seed is not None:  # distinct from the server's seed; site i adds i
+        settings["noise-seed"] = fed.noise_seed + 1
+    return settings
+
+
 def simulate(
     fed: FederationConfig,
     progress: bool = True,
@@ -55,7 +72,7 @@ def simulate(
                 server_app=make_server_app(
                     fed, progress, on_round, on_done=lambda strategy: done.update(strategy=strategy)
                 ),
-                client_app=make_client_app(fed),
+                client_app=make_client_app(fed, simulated_site_settings(fed)),
                 num_supernodes=fed.num_sites,
                 backend_config={
                     "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},

@@ -3,6 +3,9 @@ import math
 import pytest
 
 from gep_fed import (
+    BGEP,
+    GEP,
+    GP,
     BudgetExceededError,
     ImpossibleTargetError,
     LedgerError,
@@ -12,6 +15,8 @@ from gep_fed import (
     epsilon_pld,
     epsilon_rdp,
 )
+from gep_fed.ledger import create_ledger_key, default_key_path, read_ledger_key
+from gep_fed.mechanisms import mechanism_class
 
 SETTINGS = [(0.01, 1.1, 1000), (0.032, 3.2, 940), (0.1, 0.8, 50)]
 
@@ -23,21 +28,21 @@ def test_rdp_epsilon_matches_opacus_within_one_percent(q, sigma, steps):
     opacus = RDPAccountant()
     opacus.history = [(sigma, q, steps)]
     theirs = opacus.get_epsilon(delta=1e-5)
-    ours = epsilon_rdp([PrivacyEvent("gp", sigma, q, steps)], 1e-5)
+    ours = epsilon_rdp([GP.event(sigma, q, steps)], 1e-5)
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
 @pytest.mark.parametrize("q, sigma, steps", SETTINGS)
 def test_pld_epsilon_is_at_most_the_rdp_epsilon(q, sigma, steps):
-    events = [PrivacyEvent("gep", sigma, q, steps)]
+    events = [GEP.event(sigma, q, steps)]
     assert epsilon_pld(events, 1e-5) <= epsilon_rdp(events, 1e-5)
 
 
 def test_gep_costs_the_same_as_gp_at_sqrt_two_less_noise():
-    gep = epsilon_rdp([PrivacyEvent("gep", 2.0, 0.05, 100)], 1e-5)
-    gp = epsilon_rdp([PrivacyEvent("gp", 2.0 / math.sqrt(2), 0.05, 100)], 1e-5)
+    gep = epsilon_rdp([GEP.event(2.0, 0.05, 100)], 1e-5)
+    gp = epsilon_rdp([GP.event(2.0 / math.sqrt(2), 0.05, 100)], 1e-5)
     assert gep == pytest.approx(gp, rel=1e-12)
-    assert gep > epsilon_rdp([PrivacyEvent("bgep", 2.0, 0.05, 100)], 1e-5)
+    assert gep > epsilon_rdp([BGEP.event(2.0, 0.05, 100)], 1e-5)
 
 
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
@@ -45,8 +50,8 @@ def test_gep_costs_the_same_as_gp_at_sqrt_two_less_noise():
 def test_calibration_returns_the_smallest_sigma_meeting_the_target(mechanism, target):
     q, steps, delta = 0.02, 500, 1e-5
     sigma = calibrate_noise_multiplier(target, delta, q, steps, mechanism, tol=1e-4)
-    assert epsilon_rdp([PrivacyEvent(mechanism, sigma, q, steps)], delta) <= target
-    assert epsilon_rdp([PrivacyEvent(mechanism, sigma - 2e-3, q, steps)], delta) > target
+    assert epsilon_rdp([mechanism_class(mechanism).event(sigma, q, steps)], delta) <= target
+    assert epsilon_rdp([mechanism_class(mechanism).event(sigma - 2e-3, q, steps)], delta) > target
 
 
 def test_impossible_target_is_an_error_not_a_silent_cap():
@@ -76,8 +81,8 @@ def test_calibration_names_the_bad_argument(kwargs, field):
 
 
 def test_composition_merges_equal_events_without_changing_epsilon():
-    many = [PrivacyEvent("gep", 1.5, 0.02, 1, round=r) for r in range(50)]
-    one = [PrivacyEvent("gep", 1.5, 0.02, 50)]
+    many = [GEP.event(1.5, 0.02, 1, round=r) for r in range(50)]
+    one = [GEP.event(1.5, 0.02, 50)]
     assert epsilon_rdp(many, 1e-5) == pytest.approx(epsilon_rdp(one, 1e-5), rel=1e-12)
     assert epsilon_pld(many, 1e-5) == pytest.approx(epsilon_pld(one, 1e-5), rel=1e-9)
 
@@ -85,8 +90,8 @@ def test_composition_merges_equal_events_without_changing_epsilon():
 def test_ledger_round_trips_exactly(tmp_path):
     ledger = PrivacyLedger(1e-5, budget_epsilon=80.0, owner="site-1", path=tmp_path / "l.json")
     for r in range(3):
-        ledger.record(PrivacyEvent("gep", 1.234567890123, 1 / 3, 2, party="site-1", round=r))
-    ledger.record(PrivacyEvent("gp", 0.9, 0.01, 7))
+        ledger.record(GEP.event(1.234567890123, 1 / 3, 2, party="site-1", round=r))
+    ledger.record(GP.event(0.9, 0.01, 7))
     back = PrivacyLedger.load(tmp_path / "l.json")
     assert back.events == ledger.events
     assert (back.delta, back.budget_epsilon, back.owner) == (1e-5, 80.0, "site-1")
@@ -97,7 +102,7 @@ def test_ledger_round_trips_exactly(tmp_path):
 def test_a_truncated_ledger_is_refused_and_left_untouched(tmp_path):
     path = tmp_path / "l.json"
     ledger = PrivacyLedger(1e-5, path=path)
-    ledger.record(PrivacyEvent("gep", 1.0, 0.1, 3))
+    ledger.record(GEP.event(1.0, 0.1, 3))
     text = path.read_text()
     path.write_text(text[: len(text) // 2])
     with pytest.raises(LedgerError, match="truncated"):
@@ -109,7 +114,7 @@ def test_a_truncated_ledger_is_refused_and_left_untouched(tmp_path):
 
 def test_an_edited_ledger_fails_its_checksum(tmp_path):
     path = tmp_path / "l.json"
-    PrivacyLedger(1e-5, path=path).record(PrivacyEvent("gep", 1.0, 0.1, 30))
+    PrivacyLedger(1e-5, path=path).record(GEP.event(1.0, 0.1, 30))
     path.write_text(path.read_text().replace('"steps": 30', '"steps": 3'))
     with pytest.raises(LedgerError, match="checksum"):
         PrivacyLedger.load(path)
@@ -118,7 +123,7 @@ def test_an_edited_ledger_fails_its_checksum(tmp_path):
 def test_ledger_refuses_a_release_beyond_its_budget_and_keeps_what_it_had(tmp_path):
     path = tmp_path / "l.json"
     ledger = PrivacyLedger(1e-5, budget_epsilon=3.0, owner="site-2", path=path)
-    event = PrivacyEvent("gep", 2.0, 0.05, 10)
+    event = GEP.event(2.0, 0.05, 10)
     ledger.record(event)
     spent = ledger.epsilon()
     with pytest.raises(BudgetExceededError, match=r"site-2.*budget 3.*spent so far"):
@@ -131,8 +136,8 @@ def test_ledger_refuses_a_release_beyond_its_budget_and_keeps_what_it_had(tmp_pa
 
 def test_open_continues_an_existing_ledger_and_refuses_a_different_delta(tmp_path):
     path = tmp_path / "l.json"
-    first = PrivacyLedger.open(path, 1e-5, 8.0, "s")
-    first.record(PrivacyEvent("gp", 1.0, 0.1, 5))
+    first = PrivacyLedger.open(path, 1e-5, 8.0, "s", create=True)
+    first.record(GP.event(1.0, 0.1, 5))
     again = PrivacyLedger.open(path, 1e-5, 8.0, "s")
     assert again.steps == 5
     with pytest.raises(LedgerError, match="delta"):
@@ -143,7 +148,75 @@ def test_two_writers_of_one_ledger_cannot_drop_each_others_releases(tmp_path):
     path = tmp_path / "site.json"
     PrivacyLedger(1e-5, path=path).save()
     first, second = PrivacyLedger.load(path), PrivacyLedger.load(path)
-    first.record(PrivacyEvent("gep", 1.0, 0.1, 1))
+    first.record(GEP.event(1.0, 0.1, 1))
     with pytest.raises(LedgerError, match="changed by another process"):
-        second.record(PrivacyEvent("gep", 1.0, 0.1, 1))
+        second.record(GEP.event(1.0, 0.1, 1))
     assert PrivacyLedger.load(path).steps == 1
+
+
+def test_an_event_without_the_mechanisms_accounting_sigma_is_refused():
+    with pytest.raises(ValueError, match="event"):
+        PrivacyEvent("gep", 1.0, 0.1, 3)
+    # GEP's two releases are accounted at sigma / sqrt(2), from the mechanism class itself
+    assert GEP.event(2.0, 0.1).accounting_noise_multiplier == pytest.approx(2.0 / math.sqrt(2))
+    assert GP.event(2.0, 0.1).accounting_noise_multiplier == 2.0
+
+
+def test_events_of_different_adjacency_do_not_compose():
+    replace_one = PrivacyEvent("langevin", 3.0, 1.0, 1, 3.0, adjacency="replace-one")
+    with pytest.raises(ValueError, match="adjacency"):
+        epsilon_rdp([GP.event(1.0, 0.1), replace_one], 1e-5)
+    with pytest.raises(ValueError, match="subsampling"):
+        PrivacyEvent("langevin", 3.0, 0.5, 1, 3.0, adjacency="replace-one")
+
+
+def test_a_missing_ledger_is_never_silently_restarted(tmp_path):
+    path = tmp_path / "site.json"
+    with pytest.raises(LedgerError, match="does not exist"):
+        PrivacyLedger.open(path, 1e-5)
+    assert not path.exists()
+    PrivacyLedger.open(path, 1e-5, create=True).record(GEP.event(1.0, 0.1, 3))
+    assert PrivacyLedger.open(path, 1e-5).steps == 3
+
+
+def test_a_keyed_ledger_edited_without_its_key_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "site.json"
+    key = create_ledger_key(default_key_path(path))
+    assert (default_key_path(path).stat().st_mode & 0o777) == 0o600
+    ledger = PrivacyLedger.open(path, 1e-5, owner="site-0", key=key, create=True)
+    ledger.record(GEP.event(1.0, 0.1, 40))
+    assert PrivacyLedger.load(path, key).steps == 40
+    # an attacker without the key edits the history and recomputes the plain checksum
+    import hashlib
+    import json
+
+    body = json.loads(path.read_text())
+    body.pop("hmac-sha256")
+    body["events"][0]["steps"] = 4
+    body["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    forged = json.dumps(body)
+    path.write_text(forged)
+    with pytest.raises(LedgerError, match="no HMAC"):
+        PrivacyLedger.load(path, key)
+    body.pop("sha256")
+    body["hmac-sha256"] = "0" * 64  # or guesses a tag
+    path.write_text(json.dumps(body))
+    with pytest.raises(LedgerError, match="HMAC check"):
+        PrivacyLedger.open(path, 1e-5, key=key)
+    assert path.read_text() == json.dumps(body)  # left untouched
+    # without a key the keyed ledger cannot be read as if it were unprotected
+    path.write_text(ledger.to_json())  # the honest site's copy
+    with pytest.raises(LedgerError, match="site key"):
+        PrivacyLedger.load(path)
+
+
+def test_a_ledger_key_must_be_private_and_is_never_replaced(tmp_path):
+    key_path = tmp_path / "k.key"
+    create_ledger_key(key_path)
+    with pytest.raises(LedgerError, match="already exists"):
+        create_ledger_key(key_path)
+    key_path.chmod(0o644)
+    with pytest.raises(LedgerError, match="chmod 600"):
+        read_ledger_key(key_path)
+    with pytest.raises(LedgerError, match="missing"):
+        read_ledger_key(tmp_path / "none.key")

@@ -13,8 +13,9 @@ from gep_fed.data import DataError
 from gep_fed.federation import FederationServer
 from gep_fed.ledger import LedgerError, PrivacyLedger
 from gep_fed.mechanisms import ClippedSums
+from gep_fed.policy import SiteConfig
 from gep_fed.rundir import RunDirectory
-from gep_fed.site import SiteConfig, load_site_file
+from gep_fed.site import load_site_file
 from gep_fed.tasks import load_task
 from server.strategy import GEPStrategy
 
@@ -101,22 +102,29 @@ def test_plausibility_bound_allows_honest_sums(tmp_path, digits):
     server.check_plausible(honest, "site")  # norm = S2 * expected batch: fine
 
 
+SITE = {"site-id": "h1", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5}
+
+
 @pytest.mark.parametrize(
     "node_config, problem",
     [
-        ({"data-path": "/x.npz"}, "ledger-path"),
-        ({}, "data-path"),
-        (
-            {"data-path": "/x.npz", "ledger-path": "/l.json", "epsilon-budget": -1.0},
-            "epsilon-budget",
-        ),
-        ({"data-path": "/x.npz", "ledger-path": "/l.json", "device": "tpu"}, "device"),
-        ({"data-path": "/x.npz", "ledger-path": "/l.json", "colour": "red"}, "colour"),
+        ({"data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5}, "site-id"),
+        ({**SITE, "ledger-path": None}, "ledger-path"),
+        ({"site-id": "h1", "ledger-path": "/l.json", "delta": 1e-5}, "data-path"),
+        ({**SITE, "delta": None}, "delta"),
+        (SITE, "epsilon-budget"),
+        ({**SITE, "epsilon-budget": -1.0}, "epsilon-budget"),
+        ({**SITE, "epsilon-budget": 1.0, "device": "tpu"}, "device"),
+        ({**SITE, "epsilon-budget": 1.0, "colour": "red"}, "colour"),
+        ({**SITE, "epsilon-budget": 1.0, "noise-seed": 3}, "noise-seed"),
+        ({**SITE, "epsilon-budget": 1.0, "accept-modes": "client,trusting"}, "accept-modes"),
+        ({**SITE, "epsilon-budget": 1.0, "release-metrics": "yes"}, "release-metrics"),
     ],
 )
 def test_bad_node_config_is_named(node_config, problem):
+    node_config = {k: v for k, v in node_config.items() if v is not None}
     with pytest.raises(ConfigError, match=problem):
-        SiteConfig.from_node_config(node_config, FederationConfig(), "/tmp/run")
+        SiteConfig.from_node_config(node_config, None, "/tmp/run")
 
 
 def test_unreadable_site_data_file_is_named(tmp_path):

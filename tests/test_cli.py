@@ -73,3 +73,34 @@ def test_every_simulate_option_has_help_text():
     options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
     assert len(options) > 30
     assert all(a.help and not a.help.startswith(" (default") for a in options)
+
+
+def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
+    """Only the sites' ledgers know Langevin's spend (it depends on each site's size): the
+    summary, the metrics (hence the bar and epsilon.png) and the report show the largest."""
+    import json
+
+    from gep_fed.ledger import PrivacyLedger
+
+    proc = gep_fed(
+        "simulate",
+        "--mechanism",
+        "langevin",
+        "--model",
+        "linear",
+        "--rounds",
+        "2",
+        "--local-steps",
+        "3",
+        "--run-dir",
+        str(tmp_path),
+    )
+    run_dir = Path(proc.stdout.split("run directory:")[1].split()[0])
+    sites = [PrivacyLedger.load_keyed(p) for p in sorted(run_dir.glob("sites/*/ledger.json"))]
+    largest = max(ledger.epsilon() for ledger in sites)
+    assert len(sites) == 3 and largest > 0
+    line = next(x for x in proc.stdout.splitlines() if "epsilon spent (largest site)" in x)
+    assert f"{largest:.4f}" in line
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["epsilon"] == pytest.approx(largest)
+    assert "only the sites' own ledgers hold it" in (run_dir / "report.md").read_text()

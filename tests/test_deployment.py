@@ -78,9 +78,14 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
     client = RunDirectory.open(deploy / "runs" / "client")
     assert [r["sites_ok"] for r in client.read_metrics()] == [3, 3]
     for site in range(3):
-        ledger = PrivacyLedger.load(deploy / "ledgers" / f"site-{site}.json")
-        assert ledger.owner == f"site-{site}" and ledger.steps == 2 * 3
+        # each hospital's own ledger holds both runs: 2 central rounds (noised by the trusted
+        # coordinator) and 2 x 3 client-side steps, within its budget of 8
+        ledger = PrivacyLedger.load_keyed(deploy / "ledgers" / f"site-{site}.json")
+        placements = [e.placement for e in ledger.events]
+        assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3
+        assert placements == ["trusted-server"] * 2 + ["local"] * 6
         assert ledger.epsilon() <= 8.0
+    assert "epsilon" in done.stdout and "HMAC verified" in done.stdout
     assert (
         "TLS" in GUIDE.read_text()
         and "--enable-supernode-auth" in (ROOT / "deploy" / "start-superlink.sh").read_text()
@@ -101,6 +106,20 @@ def wait_for_round(run_dir: Path, rnd: int, timeout: float = 300) -> list[dict]:
     raise AssertionError(f"round {rnd} did not finish in {timeout} s")
 
 
+def stop_running_runs(env: dict) -> int:
+    """``flwr stop`` every run the SuperLink still lists as running (as the guide says to
+    do after the coordinator's ServerApp died); returns how many were stopped."""
+    import json
+
+    listed = run_bash("flwr ls hospitals --format json", env, timeout=60)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    running = [r for r in json.loads(listed.stdout)["runs"] if r["status"] == "running"]
+    for run in running:
+        stopped = run_bash(f"flwr stop {run['run-id']} hospitals", env, timeout=60)
+        assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    return len(running)
+
+
 def kill_group(pidfile: Path) -> None:
     pid = int(pidfile.read_text())
     subprocess.run(["kill", "-KILL", "--", f"-{pid}"], check=False)
@@ -114,7 +133,7 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_pat
     env = federation_env(deploy)
     run_dir = deploy / "runs" / "faults"
     command = (
-        "flwr run . hospitals --stream --run-config \"mode='central' rounds=4 "
+        "flwr run . hospitals --stream --run-config \"mode='central' target-epsilon=4.0 rounds=4 "
         "total-examples=1437 min-sites=2 round-timeout=45.0 "
         f"run-dir='{deploy / 'runs'}' run-name='faults'\""
     )
@@ -136,6 +155,8 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_pat
         subprocess.run(["pkill", "-KILL", "-g", str(group), "-f", "flwr-serverapp"], check=False)
         first.kill()
         first.wait(timeout=30)
+        # the operator stops the orphaned run, so the sites drop its pending round
+        assert stop_running_runs(env) == 1
         again = run_bash(command, env, timeout=600)  # restart: resumes from the checkpoint
         assert again.returncode == 0, again.stderr[-3000:]
     finally:

@@ -7,12 +7,16 @@ import torch.nn.functional as F
 from gep_fed import PoissonSampler, per_example_gradients
 from gep_fed.config import FederationConfig
 from gep_fed.federation import FederationServer
-from gep_fed.ledger import LedgerError
+from gep_fed.ledger import LedgerError, PrivacyLedger
 from gep_fed.partition import partition_indices
+from gep_fed.policy import SitePolicy
 from gep_fed.rundir import RunDirectory
 from gep_fed.site import Site
-from gep_fed.step import make_mechanism
 from gep_fed.tasks import load_task
+from gep_fed.wire import RoundRefused
+
+# Sites of these tests trust the server (central mode) and accept noise-free rounds.
+TRUSTING = SitePolicy(None, 1e-5, accepted_modes=("client", "central"), allow_no_noise=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,13 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
     for i, part in enumerate(parts):
         x, y = digits.tensors(digits.train.subset(part))
         site = Site(
-            f"s{i}", spec.build(), x, y, sampler_generator=torch.Generator().manual_seed(100 + i)
+            f"s{i}",
+            spec.build(),
+            x,
+            y,
+            TRUSTING,
+            ledger=PrivacyLedger(1e-5),
+            sampler_generator=torch.Generator().manual_seed(100 + i),
         )
         site.load_state(server.model.state_dict())
         sites.append(site)
@@ -61,7 +71,7 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
     grads = per_example_gradients(
         server.model, F.cross_entropy, torch.cat(union_x), torch.cat(union_y), server.layout
     )
-    mech = make_mechanism(server.gep)
+    mech = server.mechanism
     single = mech.reconstruct(
         mech.clipped_sums(grads, server.subspace), server.subspace, 0.2 * len(digits.train)
     )
@@ -71,17 +81,15 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
 
 
 def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, digits):
-    from gep_fed.ledger import BudgetExceededError, PrivacyLedger
-
     server = make_server(tmp_path, digits, mode="client", noise_multiplier=1.0, local_steps=3)
     plan = server.plan_round(1)
     x, y = digits.tensors(digits.train)
     ledger = PrivacyLedger(1e-5, budget_epsilon=0.5, owner="s", path=tmp_path / "site.json")
-    site = Site("s", server.model_spec.build(), x, y, ledger=ledger)
+    site = Site("s", server.model_spec.build(), x, y, SitePolicy(0.5, 1e-5), ledger=ledger)
     site.load_state(server.model.state_dict())
     weights = [p.clone() for p in site.model.parameters()]
-    with pytest.raises(BudgetExceededError, match=r"s: 3 more step\(s\)"):
-        site.local_update(server.subspace, plan.config)
+    with pytest.raises(RoundRefused, match="over budget"):
+        site.run_round(plan.config, server.subspace)
     assert ledger.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, site.model.parameters(), strict=True))
 
@@ -90,13 +98,11 @@ def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, d
     server = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
     plan = server.plan_round(1)
     x, y = digits.tensors(digits.train)
-    site = Site("s", server.model_spec.build(), x, y)
+    site = Site("s", server.model_spec.build(), x, y, TRUSTING, ledger=PrivacyLedger(1e-5))
     site.load_state(server.model.state_dict())
     server.apply_central(1, [site.central_sums(server.subspace, plan.config)])
     # simulate a crash after the checkpoint but before the ledger file was rewritten
     ledger_path = server.ledger.path
-    from gep_fed.ledger import PrivacyLedger
-
     ledger_path.write_text(PrivacyLedger(1e-5, 8.0, server.ledger.owner).to_json())
     again = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
     assert again.resume() == 1

@@ -77,4 +77,5 @@ def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):
     out = RunDirectory.open(tmp_path / "runs" / "r")
     assert [r["round"] for r in out.read_metrics()] == [1, 2]
     for site in range(3):
-        assert PrivacyLedger.load(out.path / "sites" / f"site-{site}" / "ledger.json").steps == 4
+        ledger = PrivacyLedger.load_keyed(out.path / "sites" / f"site-{site}" / "ledger.json")
+        assert ledger.steps == 4

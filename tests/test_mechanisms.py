@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gep_fed import BGEP, GEP, GP, NoiseSource, NonFiniteGradientError
+from gep_fed import BGEP, GEP, GP, NoiseSource
 from gep_fed.mechanisms import PerExampleClipping
 from helpers import flat_layout, random_subspace
 
@@ -75,16 +75,20 @@ def test_unclipped_examples_pass_through_unchanged():
 
 
 @pytest.mark.parametrize("mech", [GEP(S1, S2), BGEP(S1), GP(S)], ids=["gep", "bgep", "gp"])
-def test_non_finite_gradients_are_refused(mech):
+def test_examples_with_non_finite_gradients_contribute_nothing(mech):
+    """Clip factor 0, no error: the released sums are exactly those without such examples,
+    so neither their presence nor their number leaves the site."""
     layout = flat_layout(50)
     subspace = random_subspace(layout, (5,))
-    grads = torch.randn(4, 50)
-    grads[2, 7] = float("nan")
-    with pytest.raises(NonFiniteGradientError, match="1 example"):
-        mech.clipped_sums(grads, subspace)
-    grads[2, 7] = float("inf")
-    with pytest.raises(NonFiniteGradientError):
-        mech.clipped_sums(grads, subspace)
+    finite = torch.randn(4, 50)
+    bad = torch.randn(3, 50)
+    bad[0, 7], bad[1, 3], bad[2, :] = float("nan"), float("inf"), -float("inf")
+    mixed = torch.cat([finite[:2], bad[:1], finite[2:], bad[1:]])
+    without, with_bad = mech.clipped_sums(finite, subspace), mech.clipped_sums(mixed, subspace)
+    for a, b in ((without.embedding, with_bad.embedding), (without.residual, with_bad.residual)):
+        if a is not None:
+            assert torch.isfinite(b).all()
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6)
 
 
 def mean_of_estimates(mech, grads, subspace, sigma, trials, expected):

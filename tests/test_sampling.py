@@ -44,3 +44,13 @@ def test_projection_error_diagnostics_on_anchors_and_on_a_private_batch():
     private = step.private_projection_error(torch.randn(8, 1, 28, 28), torch.randint(10, (8,)))
     assert 0 < private <= 1
     assert step.ledger.steps == 0  # a diagnostic, not a release: nothing accounted
+
+
+def test_inclusion_rate_is_not_rounded_up_to_a_float32_grid():
+    """float32 uniforms are multiples of 2^-24, so u < q holds with probability >= 2^-24
+    however small q is. At q = 2^-30 over 2^24 examples, 20 samples include 20 examples in
+    expectation with float32 uniforms, and 0.3 with the accounted rate."""
+    q, n = 2.0**-30, 2**24
+    sampler = PoissonSampler(n, q, generator=torch.Generator().manual_seed(0))
+    included = sum(len(sampler.sample()) for _ in range(20))
+    assert included <= 4

@@ -17,7 +17,8 @@ from dp_accounting import rdp
 from gep_fed import wire
 from gep_fed.accounting import epsilon_rdp
 from gep_fed.config import FederationConfig
-from gep_fed.ledger import PrivacyLedger
+from gep_fed.ledger import PrivacyLedger, create_ledger_key, default_key_path
+from gep_fed.mechanisms import GEP
 from gep_fed.tasks import load_task
 from simulations.runner import simulate
 
@@ -66,7 +67,8 @@ def test_three_site_simulation_trains_and_accounts_every_release(tmp_path, mode)
         assert ledger.epsilon() == pytest.approx(fresh_epsilon(accounted, 0.2, 3, 1e-5), rel=1e-9)
     else:
         for site in range(3):
-            ledger = PrivacyLedger.load(result.run_dir / "sites" / f"site-{site}" / "ledger.json")
+            path = result.run_dir / "sites" / f"site-{site}" / "ledger.json"
+            ledger = PrivacyLedger.load_keyed(path)
             assert ledger.steps == 3 * 2
             assert {e.party for e in ledger.events} == {f"site-{site}"}
             assert ledger.epsilon() == pytest.approx(
@@ -78,7 +80,7 @@ def test_three_site_simulation_trains_and_accounts_every_release(tmp_path, mode)
     assert result.metrics[-1]["epsilon"] == pytest.approx(8.0, abs=0.01)
 
 
-def tampering_client_app(fed):
+def tampering_client_app(fed, simulation):
     """Site partition 0 corrupts its reply differently each round; the others are honest."""
     from flwr.app import Array, ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
@@ -89,7 +91,7 @@ def tampering_client_app(fed):
 
     @app.train()
     def train(msg, context):
-        reply = handle_train(msg, context, fed)
+        reply = handle_train(msg, context, fed, simulation)
         if context.node_config["partition-id"] != 0:
             return reply
         rnd = msg.content.config_records[wire.ROUND_CONFIG]["round"]
@@ -136,11 +138,9 @@ def test_bad_replies_are_rejected_by_name_and_the_round_goes_on(tmp_path, monkey
 
 
 def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
-    from gep_fed.accounting import PrivacyEvent
-
     sigma, q = 1.5, 0.2
-    two = epsilon_rdp([PrivacyEvent("gep", sigma, q, 2)], 1e-5)
-    three = epsilon_rdp([PrivacyEvent("gep", sigma, q, 3)], 1e-5)
+    two = epsilon_rdp([GEP.event(sigma, q, 2)], 1e-5)
+    three = epsilon_rdp([GEP.event(sigma, q, 3)], 1e-5)
     fed = FederationConfig(
         mode="central",
         rounds=5,
@@ -158,16 +158,17 @@ def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
 
 
 def test_a_site_with_an_exhausted_budget_refuses_and_the_others_go_on(tmp_path):
-    from gep_fed.accounting import PrivacyEvent
-
     fed = FederationConfig(
         mode="client", rounds=2, noise_multiplier=1.0, run_dir=str(tmp_path), run_name="r", **FAST
     )
     spent = tmp_path / "r" / "sites" / "site-1" / "ledger.json"
-    PrivacyLedger(1e-5, None, "site-1", spent).record(PrivacyEvent("gep", 1.0, 0.2, 95))
+    key = create_ledger_key(default_key_path(spent))
+    PrivacyLedger(1e-5, None, "site-1", spent, key=key).record(GEP.event(1.0, 0.2, 95))
     result = simulate(fed, progress=False)
     for metrics in result.metrics:
         assert metrics["sites_ok"] == 2 and metrics["applied"]
-        assert len(metrics["rejected"]) == 1 and "budget" in metrics["rejected"][0]
-    assert PrivacyLedger.load(spent).steps == 95  # nothing more recorded, nothing lost
-    assert PrivacyLedger.load(tmp_path / "r" / "sites" / "site-0" / "ledger.json").steps == 4
+        (why,) = metrics["rejected"]  # a fixed code, nothing else from the site
+        assert why.startswith("site at node ") and why.endswith("'error': refused: over budget")
+    assert PrivacyLedger.load(spent, key).steps == 95  # nothing more recorded, nothing lost
+    site0 = tmp_path / "r" / "sites" / "site-0" / "ledger.json"
+    assert PrivacyLedger.load_keyed(site0).steps == 4

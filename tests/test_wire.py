@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gep_fed import ParameterLayout, wire
+from gep_fed import ParameterLayout, PrivacyContract, wire
 from gep_fed.models import MLP
 from gep_fed.wire import WireError, as_wire_array
 
@@ -67,31 +67,55 @@ def test_oversized_arrays_are_rejected_before_reading():
         wire.decode_sums({"embedding": Huge(), "residual": Huge()}, "s", 5, 20)
 
 
-def test_round_config_round_trips_and_refuses_other_protocol_versions():
-    layout = ParameterLayout.from_model(MLP(4, 2, hidden=(3,)))
-    rc = wire.RoundConfig(
+LAYOUT = ParameterLayout.from_model(MLP(4, 2, hidden=(3,)))
+
+
+def round_config() -> wire.RoundConfig:
+    return wire.RoundConfig(
         round=2,
         mode="client",
-        mechanism="gep",
-        sample_rate=0.1,
-        noise_multiplier=1.0,
-        clip_embedding=1.0,
-        clip_residual=0.2,
-        clip_norm=1.0,
+        privacy=PrivacyContract("gep", 1.0, 0.1, clip_embedding=1.0, clip_residual=0.2),
         local_steps=2,
         local_lr=0.5,
         local_momentum=0.0,
         basis_id=0,
         basis_dtype="float16",
-        layout=json.dumps(layout.to_dict()),
+        layout=json.dumps(LAYOUT.to_dict()),
         model_spec="{}",
     )
+
+
+def test_round_config_round_trips_and_refuses_other_protocol_versions():
+    rc = round_config()
     assert wire.RoundConfig.from_record(rc.to_record()) == rc
-    assert rc.parameter_layout() == layout
+    assert rc.parameter_layout() == LAYOUT
     with pytest.raises(WireError, match="protocol version 99"):
         wire.RoundConfig.from_record({**rc.to_record(), "protocol": 99})
     with pytest.raises(WireError, match="missing keys"):
         wire.RoundConfig.from_record({k: v for k, v in rc.to_record().items() if k != "mode"})
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"privacy.sample_rate": 1.5}, "sample_rate"),
+        ({"privacy.noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"privacy.clip_residual": float("nan")}, "clip_residual"),
+        ({"privacy.mechanism": "laplace"}, "mechanism"),
+        ({"privacy.clip_norm": "1.0"}, "clip_norm"),
+        ({"round": 0}, "round"),
+        ({"round": 2.5}, "round"),
+        ({"local_steps": 0}, "local_steps"),
+        ({"local_momentum": 1.0}, "local_momentum"),
+        ({"basis_id": -1}, "basis_id"),
+        ({"layout": "not json"}, "layout"),
+        ({"extra": 1}, "unexpected"),
+    ],
+)
+def test_a_bad_round_config_value_is_a_wire_error_naming_it(change, field):
+    rc = round_config()
+    with pytest.raises(WireError, match=field):
+        wire.RoundConfig.from_record({**rc.to_record(), **change})
 
 
 def test_reply_meta_must_match_round_mode_and_version():

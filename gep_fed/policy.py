@@ -1,0 +1,252 @@
+"""A site's own privacy policy and settings: from its node config, never from the server.
+
+In client-side mode a site's guarantee must hold against a malicious server, so everything
+that decides it is the site's: the modes it accepts, its budget and delta, whether anything
+beyond the noised release may leave, and its noise (always seeded by the operating system in
+a deployment). ``SitePolicy.admit`` checks each round against this before anything is
+computed; a refusal is a fixed reason code (``gep_fed.wire.REFUSALS``), never an exception
+text.
+
+A deployed site's settings come from its SuperNode's ``--node-config``. A simulated site (one
+that Flower gives a ``partition-id``) has no node config of its own beyond that: its settings
+come from the simulation's own site settings (``simulate()`` passes them; ``flwr run`` on a
+simulation SuperLink reads the TOML file named by ``GEP_FED_SIMULATED_SITE``), else from
+``SIMULATED_SITE_DEFAULTS``. Neither is the run config the server sends.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from gep_fed.config import MODES, ConfigError
+from gep_fed.ledger import default_key_path
+from gep_fed.wire import RoundConfig, RoundRefused
+
+DEVICES = ("auto", "cpu", "cuda")
+SIMULATED_SITE_ENV = "GEP_FED_SIMULATED_SITE"
+# A simulated site that was given no settings: client-side only, the documented default budget.
+SIMULATED_SITE_DEFAULTS = {"epsilon-budget": 8.0, "delta": 1e-5}
+
+# Keys a deployed site's node config may hold, with what they mean (``gep-fed`` prints them).
+NODE_CONFIG_KEYS = {
+    "site-id": "how the site names itself in its ledger",
+    "data-path": "the site's private data (required)",
+    "ledger-path": "the site's privacy ledger, kept across runs (required)",
+    "ledger-key-path": "the ledger's HMAC key file (default: <ledger-path>.key)",
+    "new-ledger": "true only the first time: create the ledger and its key if missing",
+    "epsilon-budget": "the most epsilon this site will ever spend from this data (required)",
+    "delta": "the delta of the site's guarantee (required)",
+    "accept-modes": "'client' (default) or 'client,central' (central trusts the server)",
+    "release-metrics": "let a training loss leave the site, outside the guarantee (false)",
+    "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
+    "device": "auto (cuda when available), cpu or cuda",
+}
+# Keys only a simulated site's settings may hold (a deployed site's noise is never seeded).
+SIMULATION_KEYS = {
+    "partition-id": "the simulated site's share of the pooled data (set by Flower)",
+    "num-partitions": "number of simulated sites (set by Flower)",
+    "noise-seed": "fixes the site's noise (reproducible tests and benchmarks only)",
+    "ledger-dir": "folder of the simulated sites' ledgers (default: the run directory)",
+}
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """What a site accepts. Set by the site alone; no value is ever taken from the server.
+
+    Attributes:
+        epsilon_budget: the most epsilon the site will spend from its data over all runs (its
+            ledger persists); a round that would exceed it is refused before computing.
+            None only together with ``allow_no_noise``.
+        delta: the delta at which the site's ledger accounts and enforces the budget.
+        accepted_modes: "client" only by default; "central" means trusting the server with
+            unnoised clipped sums, so it needs this explicit opt-in.
+        release_metrics: let a raw training loss leave the site (outside the guarantee,
+            labelled so everywhere). Off by default.
+        allow_no_noise: accept sigma = 0, i.e. no privacy at all (tests only). Off by default.
+        noise_seed: fixes the site's noise (simulations for tests and benchmarks only; a
+            deployed site has none and its noise is seeded by the OS CSPRNG).
+    """
+
+    epsilon_budget: float | None
+    delta: float
+    accepted_modes: tuple[str, ...] = ("client",)
+    release_metrics: bool = False
+    allow_no_noise: bool = False
+    noise_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.epsilon_budget is None and not self.allow_no_noise:
+            raise ConfigError("epsilon-budget is required: the site's own privacy budget")
+        if self.epsilon_budget is not None and not (
+            math.isfinite(self.epsilon_budget) and self.epsilon_budget > 0
+        ):
+            raise ConfigError(f"epsilon-budget must be a number > 0, got {self.epsilon_budget}")
+        if self.allow_no_noise and self.epsilon_budget is not None:
+            raise ConfigError(
+                "allow-no-noise accepts rounds with infinite epsilon, so a budget cannot be "
+                "enforced: drop epsilon-budget (tests only) or allow-no-noise"
+            )
+        if not (0 < self.delta < 1):
+            raise ConfigError(f"delta must be in (0, 1), got {self.delta}")
+        bad = [m for m in self.accepted_modes if m not in MODES]
+        if bad or not self.accepted_modes:
+            raise ConfigError(f"accept-modes must name modes from {list(MODES)}, got {bad}")
+
+    def admit(self, rc: RoundConfig, last_round: int | None) -> None:
+        """Refuse (``RoundRefused``) a round this policy does not allow. The ledger's budget
+        is checked next, by the site, with the round's own events."""
+        if rc.mode not in self.accepted_modes:
+            raise RoundRefused("mode not allowed")
+        if last_round is not None and rc.round <= last_round:
+            raise RoundRefused("replayed round")
+        noise_free = rc.privacy.noise_multiplier == 0 and not rc.privacy.is_langevin
+        if noise_free and not self.allow_no_noise:
+            raise RoundRefused("over budget")  # epsilon would be infinite
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """A site's own settings: identity, data, ledger, device and policy.
+
+    Attributes:
+        site_id: how the site names itself in its ledger.
+        policy: what the site accepts (``SitePolicy``).
+        data_path: the site's private data (deployed sites).
+        partition_id, num_partitions: the simulated site's share of the pooled data.
+        ledger_path, ledger_key_path: the site's ledger and its HMAC key, on its own disk.
+        new_ledger: create the ledger (and key) if missing; otherwise a missing ledger stops
+            the site, so a deleted file can never reset its accounting.
+        device: "auto" (cuda when available), "cpu" or "cuda".
+    """
+
+    site_id: str
+    policy: SitePolicy
+    data_path: str = ""
+    partition_id: int | None = None
+    num_partitions: int | None = None
+    ledger_path: str = ""
+    ledger_key_path: str = ""
+    new_ledger: bool = False
+    device: str = "auto"
+
+    @property
+    def simulated(self) -> bool:
+        return self.partition_id is not None
+
+    @classmethod
+    def from_node_config(
+        cls,
+        node_config: Mapping[str, object],
+        simulation: Mapping[str, object] | None = None,
+        run_directory: str = "",
+    ) -> SiteConfig:
+        """Parse a node config. A simulated site (``partition-id`` present) fills the gaps
+        from ``simulation`` (the simulation's own site settings), then from the file named by
+        ``GEP_FED_SIMULATED_SITE``, then ``SIMULATED_SITE_DEFAULTS``; its ledgers go to
+        ``ledger-dir`` or the run directory's ``sites/`` folder."""
+        simulated = "partition-id" in node_config
+        if simulated:
+            settings = {
+                **SIMULATED_SITE_DEFAULTS,
+                **simulated_site_file(),
+                **(simulation or {}),
+                **node_config,
+            }
+            allowed = NODE_CONFIG_KEYS.keys() | SIMULATION_KEYS.keys()
+        else:
+            settings, allowed = dict(node_config), NODE_CONFIG_KEYS.keys()
+        unknown = sorted(set(settings) - allowed)
+        if unknown:
+            raise ConfigError(f"unknown node config key(s) {unknown}; known: {sorted(allowed)}")
+        get = _Reader(settings)
+        pid = get.integer("partition-id")
+        site_id = get.text("site-id") or (f"site-{pid}" if simulated else "")
+        if not site_id:
+            raise ConfigError("node config needs 'site-id' (how the site names its ledger)")
+        if not simulated:
+            for key in ("data-path", "ledger-path", "delta"):
+                if key not in settings:
+                    raise ConfigError(f"node config needs {key!r}: {NODE_CONFIG_KEYS[key]}")
+        ledger = get.text("ledger-path")
+        if not ledger:
+            folder = get.text("ledger-dir") or str(Path(run_directory) / "sites")
+            ledger = str(Path(folder) / site_id / "ledger.json")
+        modes = tuple(m.strip() for m in (get.text("accept-modes") or "client").split(","))
+        seed = get.integer("noise-seed")
+        no_noise = get.flag("allow-no-noise")
+        policy = SitePolicy(
+            epsilon_budget=None if no_noise else get.number("epsilon-budget"),
+            delta=get.number("delta"),
+            accepted_modes=modes,
+            release_metrics=get.flag("release-metrics"),
+            allow_no_noise=no_noise,
+            noise_seed=None if seed is None else seed + (pid or 0),
+        )
+        device = get.text("device") or "auto"
+        if device not in DEVICES:
+            raise ConfigError(f"node config device must be one of {list(DEVICES)}, got {device!r}")
+        return cls(
+            site_id=site_id,
+            policy=policy,
+            data_path=get.text("data-path"),
+            partition_id=pid,
+            num_partitions=get.integer("num-partitions"),
+            ledger_path=ledger,
+            ledger_key_path=get.text("ledger-key-path") or str(default_key_path(ledger)),
+            # A simulated site's ledger lives in its run: each simulation starts it afresh.
+            new_ledger=get.flag("new-ledger") or simulated,
+            device=device,
+        )
+
+
+def simulated_site_file() -> dict:
+    """The settings in the TOML file named by ``GEP_FED_SIMULATED_SITE`` (if set)."""
+    path = os.environ.get(SIMULATED_SITE_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"{SIMULATED_SITE_ENV}={path}: cannot read it as TOML: {err}") from err
+
+
+class _Reader:
+    """Typed access to node-config values, naming the key in every error."""
+
+    def __init__(self, values: Mapping[str, object]) -> None:
+        self.values = values
+
+    def text(self, key: str) -> str:
+        value = self.values.get(key, "")
+        if not isinstance(value, str):
+            raise ConfigError(f"node config {key} must be a string, got {value!r}")
+        return value
+
+    def number(self, key: str) -> float | None:
+        value = self.values.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"node config {key} must be a number, got {value!r}")
+        return float(value)
+
+    def integer(self, key: str) -> int | None:
+        value = self.values.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"node config {key} must be an integer >= 0, got {value!r}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        value = self.values.get(key, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"node config {key} must be true or false, got {value!r}")
+        return value

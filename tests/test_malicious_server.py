@@ -1,0 +1,353 @@
+"""A malicious server against a deployed site in client-side mode.
+
+The server controls every message and the run config. Each test crafts what it sends to the
+real ClientApp handler (``client.app.handle_train``) of a site whose node config, data file
+and keyed ledger are its own, then checks that the attempt was refused with a fixed code or
+made harmless, what the site's ledger holds afterwards, and that no reply carries
+data-dependent text or numbers.
+"""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+
+import client.app as client_app
+from gep_fed import wire
+from gep_fed.config import FederationConfig
+from gep_fed.data import load_digits
+from gep_fed.federation import FederationServer
+from gep_fed.ledger import PrivacyLedger, create_ledger_key, default_key_path
+from gep_fed.noise import NoiseSource
+from gep_fed.per_example import per_example_gradients
+from gep_fed.rundir import RunDirectory
+from gep_fed.tasks import load_task
+
+# What a reply's metrics may hold: each is public or set by the site's own accounting.
+DATA_FREE_METRICS = {"basis-bytes-received", "basis-id", "local-steps", "site-epsilon"}
+BUDGET = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _flower_task_identity():
+    """Messages are built inside a Flower runtime; set the identity it would set."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    client_app._SITES.clear()
+    yield
+    client_app._SITES.clear()
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_task("digits", num_public=200)
+
+
+@pytest.fixture
+def hospital(tmp_path):
+    """A deployed site: its own data file, a ledger created once with its key, its budget."""
+    data = load_digits().subset(np.arange(400))
+    path = tmp_path / "site" / "data.npz"
+    path.parent.mkdir()
+    np.savez(path, images=data.images, labels=data.labels)
+    ledger = tmp_path / "site" / "ledger.json"
+    PrivacyLedger.open(
+        ledger, 1e-5, None, "h1", key=create_ledger_key(default_key_path(ledger)), create=True
+    )
+    return {
+        "site-id": "h1",
+        "data-path": str(path),
+        "ledger-path": str(ledger),
+        "epsilon-budget": BUDGET,
+        "delta": 1e-5,
+        "device": "cpu",
+    }
+
+
+def site_ledger(node_config) -> PrivacyLedger:
+    return PrivacyLedger.load_keyed(node_config["ledger-path"])
+
+
+def make_server(tmp_path, task, **settings) -> FederationServer:
+    base = dict(
+        num_basis=16,
+        sample_rate=0.1,
+        rounds=5,
+        local_steps=2,
+        noise_multiplier=3.0,
+        run_dir=str(tmp_path / "server"),
+        run_name="r",
+    )
+    fed = FederationConfig(**{**base, **settings})
+    run = RunDirectory(fed.run_directory(0))
+    run.path.mkdir(parents=True, exist_ok=True)
+    return FederationServer(fed, task, run, total_examples=len(task.train))
+
+
+def round_message(server, rnd, rc_changes=None, record_changes=None, state=None, basis=None):
+    """What the server sends in round ``rnd``, with the attacker's changes."""
+    plan = server.plan_round(rnd)
+    rc = plan.config if not rc_changes else replace(plan.config, **rc_changes)
+    record = {**rc.to_record(), **(record_changes or {})}
+    arrays = state if state is not None else plan.state
+    content = {
+        wire.GLOBAL_MODEL: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+        wire.ROUND_CONFIG: ConfigRecord(record),
+    }
+    basis = basis if basis is not None else plan.basis
+    if basis is not None:
+        content[wire.BASIS] = ArrayRecord({k: Array(v) for k, v in basis.items()})
+    return Message(content=RecordDict(content), message_type=MessageType.TRAIN, dst_node_id=1)
+
+
+def answer(msg, node_config, run_config: FederationConfig, context=None):
+    context = context or Context(1, 1, node_config, RecordDict(), {})
+    return client_app.handle_train(msg, context, run_config), context
+
+
+def assert_data_free(reply: Message) -> None:
+    """No reply carries data-dependent text or numbers beyond the noised release."""
+    if reply.has_error():
+        assert reply.error.reason in wire.REFUSALS
+        assert reply.error.code == wire.REFUSALS[reply.error.reason]
+        assert not reply.has_content()
+        return
+    content = reply.content
+    assert set(content.metric_records[wire.REPLY_METRICS]) <= DATA_FREE_METRICS
+    assert wire.CLIPPED_SUMS not in content.array_records  # client-only: never unnoised sums
+
+
+def refused(reply: Message, reason: str) -> bool:
+    assert_data_free(reply)
+    return reply.has_error() and reply.error.reason == reason
+
+
+def delta_of(reply: Message) -> torch.Tensor:
+    record = reply.content.array_records[wire.MODEL_DELTA]
+    return torch.cat([torch.from_numpy(a.numpy()).reshape(-1) for a in record.values()])
+
+
+# -- the attacks of the review, points 1-7 --------------------------------------------------
+
+
+def test_a_noise_seed_in_the_run_config_does_not_seed_the_sites_noise(tmp_path, digits, hospital):
+    """Point 1. With q = 1 the batch is the whole data set, so noise is the only randomness:
+    two fresh sites told noise-seed=1234 must still release different deltas."""
+    server = make_server(tmp_path, digits, sample_rate=1.0, noise_multiplier=20.0)
+    run_config = replace(server.cfg, noise_seed=1234)
+    msg = round_message(server, 1)
+    first, _ = answer(msg, hospital, run_config)
+    client_app._SITES.clear()
+    second, _ = answer(msg, hospital, run_config)
+    assert_data_free(first)
+    assert_data_free(second)
+    assert not torch.allclose(delta_of(first), delta_of(second))
+    site, _ = next(iter(client_app._SITES.values()))
+    assert repr(site.noise) == "NoiseSource(cryptographic)"
+    assert repr(NoiseSource(1234)) != repr(site.noise)
+
+
+def test_a_central_round_sent_to_a_client_only_site_is_refused(tmp_path, digits, hospital):
+    """Point 2: the mode comes from the round config, the permission from the site."""
+    server = make_server(tmp_path, digits, mode="central")
+    reply, _ = answer(round_message(server, 1), hospital, server.cfg)
+    assert refused(reply, "mode not allowed")
+    assert site_ledger(hospital).steps == 0
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        {"noise_multiplier": 0.0},  # the run config switches the noise off
+        {"noise_multiplier": 0.05, "target_epsilon": 500.0},  # and raises the target
+    ],
+    ids=["sigma-0", "sigma-tiny-target-500"],
+)
+def test_the_server_cannot_raise_or_remove_the_sites_budget(tmp_path, digits, hospital, attack):
+    """Point 3: the budget is the node config's; no run-config value replaces it."""
+    server = make_server(tmp_path, digits, **attack)
+    reply, _ = answer(round_message(server, 1), hospital, server.cfg)
+    assert refused(reply, "over budget")
+    assert site_ledger(hospital).steps == 0
+
+
+def test_the_server_cannot_switch_on_the_release_of_site_metrics(tmp_path, digits, hospital):
+    """Point 4: only the site's own policy (node config release-metrics) allows it."""
+    server = make_server(tmp_path, digits, release_site_metrics=True)
+    reply, _ = answer(round_message(server, 1), hospital, server.cfg)
+    assert not reply.has_error()
+    assert client_app.UNPROTECTED_LOSS_KEY not in reply.content.metric_records[wire.REPLY_METRICS]
+    assert_data_free(reply)
+    assert site_ledger(hospital).steps == 2
+
+
+def test_a_model_crafted_to_overflow_on_chosen_examples_learns_nothing_from_errors(
+    tmp_path, digits, hospital
+):
+    """Point 5: hidden units 0 and 1 copy input pixels 10 and 20 (through tanh) and output
+    weights of 3e38 on them overflow the logits exactly for the examples where both pixels are
+    bright: a predicate the server chose. Those examples get clip factor 0 (no error, no
+    count); the reply is an ordinary noised release, and an exception anywhere would be a
+    fixed code, not its text."""
+    server = make_server(tmp_path, digits)
+    plan = server.plan_round(1)
+    state = {k: v.copy() for k, v in plan.state.items()}
+    hidden_w, hidden_b, out_w = "hidden.0.weight", "hidden.0.bias", "out.weight"
+    state[hidden_w][:2] = 0.0
+    state[hidden_w][0, 10] = state[hidden_w][1, 20] = 50.0
+    state[hidden_b][:2] = 0.0
+    state[out_w][:, :2] = 3e38
+    # the attack is real: some of the site's examples (not all) now have non-finite gradients
+    site_x = load_digits().subset(np.arange(400))
+    model = server.model_spec.build()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    grads = per_example_gradients(
+        model,
+        torch.nn.functional.cross_entropy,
+        server.model_spec.tensor(site_x.images),
+        torch.from_numpy(site_x.labels),
+        server.layout,
+    )
+    overflowing = (~torch.isfinite(grads).all(dim=1)).sum()
+    assert 0 < overflowing < len(grads)
+    reply, _ = answer(round_message(server, 1, state=state), hospital, server.cfg)
+    assert not reply.has_error()
+    assert_data_free(reply)
+    assert torch.isfinite(delta_of(reply)).all()
+    assert site_ledger(hospital).steps == 2
+    # a round the site cannot compute (a model of another architecture) is a fixed code
+    wrong = {k: v for k, v in plan.state.items() if k != out_w}
+    reply, _ = answer(round_message(server, 2, state=wrong), hospital, server.cfg)
+    assert refused(reply, "malformed round")
+
+
+def test_a_deleted_or_forged_ledger_stops_the_site_and_is_not_recreated(
+    tmp_path, digits, hospital
+):
+    """Point 6: no silent restart at zero; an edit without the key is detected."""
+    server = make_server(tmp_path, digits)
+    reply, _ = answer(round_message(server, 1), hospital, server.cfg)
+    assert not reply.has_error()
+    ledger_path = tmp_path / "site" / "ledger.json"
+    honest = ledger_path.read_text()
+    # forged: the history rewritten with a recomputed plain checksum
+    import hashlib
+    import json
+
+    body = json.loads(honest)
+    body.pop("hmac-sha256")
+    body["events"] = body["events"][:1]
+    body["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    ledger_path.write_text(json.dumps(body))
+    client_app._SITES.clear()
+    reply, _ = answer(round_message(server, 2), hospital, server.cfg)
+    assert refused(reply, "site error")
+    assert json.loads(ledger_path.read_text()) == body  # left untouched
+    # deleted: the site refuses rather than starting a fresh ledger
+    ledger_path.unlink()
+    reply, _ = answer(round_message(server, 3), hospital, server.cfg)
+    assert refused(reply, "site error")
+    assert not ledger_path.exists()
+
+
+def test_a_rejected_central_reply_leaves_no_trace_of_its_values_on_the_server(tmp_path, digits):
+    """Point 7: the rejection of implausible clipped sums is the same text whatever the
+    sums were, so nothing computed from unnoised site data reaches metrics or reports."""
+    from gep_fed.mechanisms import ClippedSums
+
+    server = make_server(tmp_path, digits, mode="central")
+    server.plan_round(1)
+    k, p = server.subspace.num_basis, server.layout.size
+    texts = set()
+    for scale in (1e4, 3.7e5):
+        sums = ClippedSums(torch.full((k,), scale), torch.zeros(p))
+        with pytest.raises(wire.WireError) as err:
+            server.check_plausible(sums, "site at node 7")
+        texts.add(str(err.value))
+    assert len(texts) == 1 and "not honestly clipped" in texts.pop()
+
+
+# -- further attempts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "record_changes",
+    [
+        {"privacy.sample_rate": 1.5},
+        {"privacy.noise_multiplier": -1.0},
+        {"privacy.mechanism": "none"},
+        {"privacy.clip_embedding": float("inf")},
+        {"round": -3},
+        {"local_steps": 0},
+    ],
+    ids=["q>1", "sigma<0", "unknown-mechanism", "S1-inf", "round<1", "no-steps"],
+)
+def test_malformed_round_configs_are_refused_before_computing(
+    tmp_path, digits, hospital, record_changes
+):
+    server = make_server(tmp_path, digits)
+    msg = round_message(server, 1, record_changes=record_changes)
+    reply, _ = answer(msg, hospital, server.cfg)
+    assert refused(reply, "malformed round")
+    assert site_ledger(hospital).steps == 0
+
+
+def test_huge_clip_norms_only_buy_proportionally_more_noise(tmp_path, digits, hospital):
+    """S1 = S2 = 1e9 disables clipping in effect, but the site's noise is sigma * S: the
+    release stays private, and it is accounted at the contract's sigma like any other."""
+    server = make_server(tmp_path, digits, clip_embedding=1e9, clip_residual=1e9)
+    reply, _ = answer(round_message(server, 1), hospital, server.cfg)
+    assert_data_free(reply)
+    delta = delta_of(reply)
+    # each step's noise has std sigma * S / (q n) per coordinate, times the local lr
+    expected = server.sigma * 1e9 / (0.1 * 400) * server.cfg.local_lr
+    assert float(delta.std()) > 0.1 * expected
+    events = site_ledger(hospital).events
+    assert len(events) == 2
+    assert all(e.accounting_noise_multiplier == server.sigma / math.sqrt(2) for e in events)
+
+
+def test_a_basis_that_is_not_orthonormal_is_refused(tmp_path, digits, hospital):
+    server = make_server(tmp_path, digits)
+    plan = server.plan_round(1)
+    skewed = {k: (v * 3.0).astype(v.dtype) for k, v in plan.basis.items()}
+    reply, _ = answer(round_message(server, 1, basis=skewed), hospital, server.cfg)
+    assert refused(reply, "malformed round")
+    assert site_ledger(hospital).steps == 0
+
+
+@pytest.mark.parametrize("second_round", [3, 2], ids=["replayed", "backwards"])
+def test_a_replayed_or_backwards_round_is_refused(tmp_path, digits, hospital, second_round):
+    server = make_server(tmp_path, digits)
+    reply, context = answer(round_message(server, 3), hospital, server.cfg)
+    assert not reply.has_error()
+    again, _ = answer(round_message(server, second_round), hospital, server.cfg, context)
+    assert refused(again, "replayed round")
+    assert site_ledger(hospital).steps == 2  # the first round only
+
+
+def test_a_model_with_nan_weights_is_refused(tmp_path, digits, hospital):
+    server = make_server(tmp_path, digits)
+    plan = server.plan_round(1)
+    state = {k: v.copy() for k, v in plan.state.items()}
+    next(iter(state.values())).flat[0] = np.nan
+    reply, _ = answer(round_message(server, 1, state=state), hospital, server.cfg)
+    assert refused(reply, "malformed round")
+    assert site_ledger(hospital).steps == 0
+
+
+def test_a_site_that_opted_into_central_mode_records_it_as_trusted_server_noise(
+    tmp_path, digits, hospital
+):
+    """Central mode releases unnoised sums; a site that accepts it still accounts it, in its
+    own ledger, against its own budget."""
+    server = make_server(tmp_path, digits, mode="central")
+    trusting = {**hospital, "accept-modes": "client,central"}
+    reply, _ = answer(round_message(server, 1), trusting, server.cfg)
+    assert not reply.has_error() and wire.CLIPPED_SUMS in reply.content.array_records
+    (event,) = site_ledger(hospital).events
+    assert event.placement == "trusted-server" and event.party == "h1"
