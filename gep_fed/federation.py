@@ -13,6 +13,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from gep_fed.wire import (
     encode_basis,
     encode_state,
 )
+
+if TYPE_CHECKING:  # the audit builds on this module
+    from gep_fed.audit import GradientCanaries
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class FederationServer:
         self.subspace: AnchorSubspace | None = None
         self.basis_id = -1
         self._basis_arrays: dict | None = None
+        # Audit canaries (gep_fed.audit): scored against each central release. Audits only.
+        self.canaries: GradientCanaries | None = None
 
     # -- accounting --------------------------------------------------------------------
 
@@ -217,6 +223,8 @@ class FederationServer:
         )
         self.ledger.check_budget(self.round_events(round_))
         noisy = self.mechanism.add_noise(total, self.sigma, self.noise)
+        if self.canaries is not None:
+            self.canaries.observe(noisy, self.sigma, self.contract.sample_rate)
         estimate = self.mechanism.reconstruct(
             noisy, self.subspace, self.contract.sample_rate * self.total_examples
         )

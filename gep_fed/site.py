@@ -15,6 +15,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +37,9 @@ from gep_fed.step import GEPStep
 from gep_fed.subspace import AnchorSubspace
 from gep_fed.tasks import load_task
 from gep_fed.wire import RoundConfig, RoundRefused
+
+if TYPE_CHECKING:  # the audit builds on this module
+    from gep_fed.audit import GradientCanaries
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -94,6 +98,8 @@ class Site:
         self.noise = noise if noise is not None else NoiseSource(policy.noise_seed)
         self.sampler_generator = sampler_generator
         self.max_chunk = max_chunk
+        # Audit canaries (gep_fed.audit): gradients that join this site's samples. Audits only.
+        self.canaries: GradientCanaries | None = None
 
     @property
     def num_examples(self) -> int:
@@ -152,6 +158,9 @@ class Site:
             self.max_chunk,
         )
         sub = subspace.to(self.device) if subspace is not None else None
+        if self.canaries is not None:
+            rows = self.canaries.sample_rows(sub, rc.privacy.sample_rate)
+            grads = torch.cat([grads, rows.to(grads)])
         return mechanism.clipped_sums(grads, sub)
 
     def local_update(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> torch.Tensor:
@@ -173,6 +182,7 @@ class Site:
             ledger=self.ledger,
             party=self.site_id,
             round=rc.round,
+            canaries=self.canaries,
         )
         if subspace is not None:
             step.set_subspace(subspace)

@@ -13,6 +13,7 @@ Each call is one accounted release in ``step.ledger``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from gep_fed.mechanisms import ClippedSums, Mechanism
 from gep_fed.noise import NoiseSource
 from gep_fed.per_example import LossFn, per_example_gradients, validate_model
 from gep_fed.subspace import AnchorSubspace
+
+if TYPE_CHECKING:  # the audit builds on this module
+    from gep_fed.audit import GradientCanaries
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class GEPStep:
         generator: public randomness (anchor subset, random labels, power-method start).
         party: recorded with each event (e.g. a site id).
         round: recorded with each event (a federated round), if given.
+        canaries: audit canaries (``gep_fed.audit``): their sampled gradients join each
+            batch and every noisy release is scored against them. Audits only.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class GEPStep:
         generator: torch.Generator | None = None,
         party: str = "",
         round: int | None = None,
+        canaries: GradientCanaries | None = None,
     ) -> None:
         validate_model(model)
         if dataset_size < 1:
@@ -83,6 +90,7 @@ class GEPStep:
         self.generator = generator
         self.party = party
         self.round = round
+        self.canaries = canaries
         self.layout = ParameterLayout.from_model(model, config.groups)
         self.mechanism = config.contract.build_mechanism()
         self.subspace: AnchorSubspace | None = None
@@ -146,6 +154,9 @@ class GEPStep:
         grads = per_example_gradients(
             self.model, self.loss_fn, inputs, targets, self.layout, self.config.max_chunk
         )
+        if self.canaries is not None:
+            rows = self.canaries.sample_rows(self.subspace, self.config.sample_rate)
+            grads = torch.cat([grads, rows.to(grads)])
         return self.mechanism.clipped_sums(grads, self.subspace)
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
@@ -169,6 +180,8 @@ class GEPStep:
         device = next(self.model.parameters()).device
         sums = self.clipped_sums(inputs.to(device), targets.to(device))
         noisy = self.mechanism.add_noise(sums, self.config.noise_multiplier, self.noise)
+        if self.canaries is not None:
+            self.canaries.observe(noisy, self.config.noise_multiplier, self.config.sample_rate)
         estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
         write_gradient(self.model, self.layout, estimate)
         self._steps_since_refresh += 1
