@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from gep_fed.mechanisms import ClippedSums, Mechanism
+from gep_fed.mechanisms import GP, ClippedSums, Mechanism
 from gep_fed.sampling import PoissonSampler
 from gep_fed.subspace import AnchorSubspace
 
@@ -276,7 +276,8 @@ class AuditSetup:
     """One audit run: a mechanism at a target epsilon, through the real code path.
 
     Attributes:
-        mechanism: "gep", "bgep" or "gp".
+        mechanism: "gep", "bgep", "gp" or "langevin" (multi-pass, on a linear model, mode
+            "single"; its epsilon follows from the schedule, so ``epsilon`` is not a target).
         mode: "single" (``GEPStep``), "central" (``Site`` clipped sums, noised by
             ``FederationServer``) or "client" (``Site`` local steps with its own noise).
         epsilon, delta: the target the noise multiplier is calibrated to (the claim).
@@ -302,11 +303,14 @@ class AuditSetup:
     confidence: float = 0.95
 
     def __post_init__(self) -> None:
-        if self.mechanism not in CANARY_KINDS or self.mode not in AUDIT_MODES:
+        known = (*CANARY_KINDS, "langevin")
+        if self.mechanism not in known or self.mode not in AUDIT_MODES:
             raise ValueError(
-                f"audits cover mechanisms {sorted(CANARY_KINDS)} in modes {AUDIT_MODES}, got "
+                f"audits cover mechanisms {known} in modes {AUDIT_MODES}, got "
                 f"{self.mechanism!r} in {self.mode!r}"
             )
+        if self.mechanism == "langevin" and self.mode != "single":
+            raise ValueError("Langevin is audited in mode 'single' (LangevinTrainer)")
 
 
 def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
@@ -330,6 +334,8 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     s = setup
     task = load_task("digits", num_public=300, seed=s.seed)
     x, y = (t[: s.examples] for t in task.tensors(task.train))
+    if s.mechanism == "langevin":
+        return _audit_langevin(s, x, y)
     sigma = calibrate_noise_multiplier(s.epsilon, s.delta, s.sample_rate, s.steps, s.mechanism)
     fed = FederationConfig(
         mode="central" if s.mode == "central" else "client",
@@ -413,6 +419,54 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         steps=canaries.steps,
         sample_rate=s.sample_rate,
         noise_multiplier=sigma,
+    )
+
+
+def _audit_langevin(s: AuditSetup, x: torch.Tensor, y: torch.Tensor) -> AuditResult:
+    """Multi-pass Langevin on a linear model: every iterate is a release."""
+    from gep_fed.langevin import LangevinConfig, LangevinTrainer
+    from gep_fed.models import MLP
+    from gep_fed.noise import NoiseSource
+
+    torch.manual_seed(s.seed)
+    model = MLP(x[0].numel(), 10, hidden=())
+    config = LangevinConfig(
+        schedule="multi-pass",
+        grad_bound=1.0,
+        beta0=1.0,
+        steps=s.steps,
+        batch=max(1, round(s.sample_rate * s.examples)),
+        delta=s.delta,
+    )
+    trainer = LangevinTrainer(
+        model,
+        config,
+        noise=NoiseSource(s.seed + 1),
+        generator=torch.Generator().manual_seed(s.seed + 2),
+    )
+    size = sum(p.numel() for p in model.parameters())
+    seeded = torch.Generator().manual_seed(s.seed)
+    trainer.canaries = canaries = GradientCanaries(s.canaries, size, GP(1.0), generator=seeded)
+    trainer.fit(x.flatten(1), y)
+    found = canaries.guesses(s.delta, s.confidence)
+    events = trainer.ledger.events
+    return AuditResult(
+        mechanism="langevin",
+        mode="single",
+        placement="local",
+        claimed_epsilon_rdp=trainer.ledger.epsilon("rdp"),
+        claimed_epsilon_pld=trainer.ledger.epsilon("pld"),
+        delta=s.delta,
+        epsilon_lower_bound=found.epsilon_lower_bound,
+        confidence=s.confidence,
+        canaries=canaries.count,
+        canary_kinds=("gradient",),
+        included=int(canaries.included.sum()),
+        guesses=found.guesses,
+        correct=found.correct,
+        steps=canaries.steps,
+        sample_rate=events[0].sample_rate if events else s.sample_rate,
+        noise_multiplier=min((e.noise_multiplier for e in events), default=math.inf),
     )
 
 

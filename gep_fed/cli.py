@@ -310,7 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Jagielski 2023). A bound above the claimed epsilon proves the run leaks more than "
         "it accounts; a bound below it proves nothing about the claim.",
     )
-    aud.add_argument("--mechanism", choices=["gep", "bgep", "gp"], default="gep")
+    aud.add_argument(
+        "--mechanism",
+        choices=["gep", "bgep", "gp", "langevin"],
+        default="gep",
+        help="langevin: multi-pass on a linear model, mode single",
+    )
     aud.add_argument(
         "--mode",
         choices=["single", "central", "client"],

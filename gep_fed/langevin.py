@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +49,13 @@ from torch import nn
 from gep_fed.accounting import PrivacyEvent, calibrate
 from gep_fed.groups import ParameterLayout
 from gep_fed.ledger import PrivacyLedger
-from gep_fed.mechanisms import GP
+from gep_fed.mechanisms import GP, ClippedSums
 from gep_fed.noise import NoiseSource
 from gep_fed.per_example import IncompatibleModelError, LossFn, per_example_gradients
 from gep_fed.sampling import PoissonSampler
+
+if TYPE_CHECKING:  # the audit builds on this module
+    from gep_fed.audit import GradientCanaries
 
 SCHEDULES = ("single-pass", "multi-pass")
 
@@ -306,9 +310,13 @@ class LangevinTrainer:
         self.generator = generator
         self.party = party
         self._clip = GP(config.grad_bound)
+        # Audit canaries (gep_fed.audit): gradients that join multi-pass samples. Audits only.
+        self.canaries: GradientCanaries | None = None
 
-    def _mean_clipped_gradient(self, x, y, divide_by: float) -> torch.Tensor:
+    def _mean_clipped_gradient(self, x, y, divide_by: float, sample_rate: float = 1.0):
         grads = per_example_gradients(self.model, self.loss_fn, x, y, self.layout)
+        if self.canaries is not None:
+            grads = torch.cat([grads, self.canaries.sample_rows(None, sample_rate).to(grads)])
         return self._clip.clipped_sums(grads, None).residual / divide_by
 
     def _set(self, flat: torch.Tensor) -> None:
@@ -394,17 +402,32 @@ class LangevinTrainer:
         c = self.config
         steps = c.steps or n
         self.ledger.record(*self.multi_pass_events(n, first_step, steps))
-        sampler = PoissonSampler(len(x), min(1.0, c.batch / n), steps, self.generator)
+        q = min(1.0, c.batch / n)
+        sampler = PoissonSampler(len(x), q, steps, self.generator)
         w = self.layout.flatten_params(self.model).clone()
         used = []
         for t, idx in enumerate(sampler, start=first_step):
             used.append(idx)
             eta, lam = multi_pass_rates(t, n, c)
             self._set(w)
-            grad = self._mean_clipped_gradient(x[idx], y[idx], float(c.batch))
-            w = langevin_update(w, grad, eta, lam, c.beta0, self.noise)
+            grad = self._mean_clipped_gradient(x[idx], y[idx], float(c.batch), q)
+            before, w = w, langevin_update(w, grad, eta, lam, c.beta0, self.noise)
+            if self.canaries is not None:
+                self._observe_release(before, w, eta, lam, q)
         self._set(w)
         return used
+
+    def _observe_release(self, before, after, eta: float, lam: float, q: float) -> None:
+        """What an auditor who sees every iterate learns from one step: the noisy clipped
+        gradient sum ``b (before - after / (1 - lambda eta)) / eta``, with noise std
+        ``sqrt(lambda eta (2 - lambda eta) beta0) b / ((1 - lambda eta) eta)``."""
+        c, shrink = self.config, lam * eta
+        if shrink >= 1:  # the iterate forgets the gradient: nothing released
+            return
+        scale = c.batch / ((1 - shrink) * eta)
+        released = (before * (1 - shrink) - after) * scale
+        std = math.sqrt(shrink * (2 - shrink) * c.beta0) * scale
+        self.canaries.observe(ClippedSums(None, released), std / c.grad_bound, q)
 
 
 __all__ = [

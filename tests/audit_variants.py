@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from gep_fed import langevin
 from gep_fed.mechanisms import GEP, Mechanism
 from gep_fed.sampling import PoissonSampler
 
@@ -31,6 +32,28 @@ def noise_halved():
         Mechanism,
         "add_noise",
         lambda self, sums, sigma, noise: add_noise(self, sums, sigma / 2, noise),
+    )
+
+
+def noise_quartered():
+    """A gross leak: a quarter of the noise sigma says."""
+    add_noise = Mechanism.add_noise
+    return _patched(
+        Mechanism,
+        "add_noise",
+        lambda self, sums, sigma, noise: add_noise(self, sums, sigma / 4, noise),
+    )
+
+
+def langevin_noise_cut_a_hundredfold():
+    """Langevin's sampling step draws noise of a hundredth of the accounted std."""
+    update = langevin.langevin_update
+    return _patched(
+        langevin,
+        "langevin_update",
+        lambda params, grad, eta, lam, beta0, noise: update(
+            params, grad, eta, lam, beta0 * 1e-4, noise
+        ),
     )
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from audit_variants import VARIANTS
+from audit_variants import VARIANTS, langevin_noise_cut_a_hundredfold, noise_quartered
 
 from gep_fed.audit import AuditSetup, epsilon_lower_bound, p_value, run_audit
 
@@ -54,6 +54,34 @@ def test_a_broken_variant_raises_the_audited_bound(variant):
         leaky = run_audit(setup)
     assert leaky.claimed_epsilon_rdp == pytest.approx(honest.claimed_epsilon_rdp)
     assert leaky.epsilon_lower_bound > honest.epsilon_lower_bound + 0.2
+
+
+@pytest.mark.parametrize(
+    "setup, broken",
+    [
+        (AuditSetup(mechanism="gp", mode="client", epsilon=2.0), noise_quartered),
+        (
+            AuditSetup(mechanism="langevin", mode="single", steps=5),
+            langevin_noise_cut_a_hundredfold,
+        ),
+    ],
+    ids=["gp-noise-quartered", "langevin-noise-cut-100x"],
+)
+def test_a_gross_leak_is_caught_above_its_claim(setup, broken):
+    honest = run_audit(setup)
+    assert honest.epsilon_lower_bound <= honest.claimed_epsilon_pld
+    with broken():
+        leaky = run_audit(setup)
+    assert leaky.epsilon_lower_bound > leaky.claimed_epsilon_rdp
+
+
+def test_langevin_multi_pass_is_audited_on_its_iterates():
+    """Every iterate is a release; the auditor reconstructs the noisy clipped gradient sum.
+    Its claim here is tiny (epsilon 0.03 after 5 steps on 16 examples), and so is the bound."""
+    result = run_audit(AuditSetup(mechanism="langevin", mode="single", steps=5))
+    assert result.steps == 4  # step 1 forgets the gradient (lambda_1 eta_1 = 1)
+    assert 0 < result.claimed_epsilon_rdp < 0.1
+    assert result.epsilon_lower_bound <= result.claimed_epsilon_pld
 
 
 def test_gep_fed_audit_prints_the_claim_and_the_bound_and_writes_them(tmp_path):
