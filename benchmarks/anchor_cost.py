@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, mnist_data, save
 
 from gep_fed import GEPConfig, MnistCNN, NoiseSource, calibrate_noise_multiplier
-from gep_fed.training import OptimizerConfig, evaluate, train_private
+from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_private
 
 SETTINGS = [(1, 2000), (5, 2000), (20, 2000), (1, 500), (5, 500), (20, 500)]
 

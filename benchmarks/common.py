@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gep_fed.data import (
+from gep_fed.data.datasets import (
     MNIST_MEAN,
     MNIST_STD,
     load_kmnist,
@@ -20,7 +20,7 @@ from gep_fed.data import (
     to_tensor,
     validation_split,
 )
-from gep_fed.training import OptimizerConfig, evaluate
+from gep_fed.mechanisms.training import OptimizerConfig, evaluate
 
 SHARED_DATA = Path(
     os.environ.get("GEP_FED_SHARED_DATA", Path(__file__).parents[1] / ".." / "shared" / "data")

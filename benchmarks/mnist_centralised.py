@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, mnist_data, save, train_opacus
 
 from gep_fed import GEPConfig, MnistCNN, NoiseSource, calibrate_noise_multiplier
-from gep_fed.training import (
+from gep_fed.mechanisms.training import (
     OptimizerConfig,
     evaluate,
     train_nonprivate,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gep_fed.partition import partition_indices
-from gep_fed.tasks import TASKS, load_task
+from gep_fed.data.partition import partition_indices
+from gep_fed.data.tasks import TASKS, load_task
 
 
 def main(argv=None) -> int:

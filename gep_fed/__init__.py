@@ -1,16 +1,17 @@
 """gep-fed: federated training with Gradient Embedding Perturbation differential privacy.
 
 The library layer: plain PyTorch, numpy and dp-accounting, no Flower. See ``GEPStep`` for the
-single-machine API and ``gep_fed.mechanisms`` for the three separable calls (clipped sums,
+single-machine API and ``gep_fed.mechanisms.mechanism`` for the three separable calls (clipped sums,
 add noise, reconstruct) that the federated modes distribute.
 """
 
-from gep_fed.accounting import ImpossibleTargetError, PrivacyEvent, epsilon_pld, epsilon_rdp
-from gep_fed.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.accounting.events import ImpossibleTargetError, PrivacyEvent, epsilon_pld, epsilon_rdp
+from gep_fed.accounting.ledger import BudgetExceededError, LedgerError, PrivacyLedger
 from gep_fed.config import ConfigError, GEPConfig, PrivacyContract
-from gep_fed.groups import ParameterGroup, ParameterLayout
-from gep_fed.ledger import BudgetExceededError, LedgerError, PrivacyLedger
-from gep_fed.mechanisms import (
+from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
+from gep_fed.mechanisms.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
+from gep_fed.mechanisms.mechanism import (
     BGEP,
     GEP,
     GP,
@@ -18,17 +19,16 @@ from gep_fed.mechanisms import (
     Mechanism,
     calibrate_noise_multiplier,
 )
-from gep_fed.models import MLP, MnistCNN, resnet20_gn
-from gep_fed.noise import NoiseSource
-from gep_fed.per_example import (
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import (
     IncompatibleModelError,
     batchnorm_to_groupnorm,
     per_example_gradients,
     validate_model,
 )
-from gep_fed.sampling import PoissonSampler
-from gep_fed.step import GEPStep, write_gradient
-from gep_fed.subspace import AnchorSubspace, power_method_subspace
+from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.mechanisms.step import GEPStep, write_gradient
+from gep_fed.mechanisms.subspace import AnchorSubspace, power_method_subspace
 
 __all__ = [
     "BGEP",

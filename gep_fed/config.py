@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from gep_fed.accounting import PrivacyEvent
-from gep_fed.mechanisms import GP, Mechanism, mechanism_class
+from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.mechanisms.mechanism import GP, Mechanism, mechanism_class
 
 MECHANISMS = ("gep", "bgep", "gp")
 ANCHOR_LABELS = ("random", "true")
@@ -375,7 +375,7 @@ class FederationConfig:
     max_chunk: int = _opt(128, "examples differentiated at once (memory bound)")
 
     def __post_init__(self) -> None:
-        from gep_fed.tasks import MODELS, TASKS
+        from gep_fed.data.tasks import MODELS, TASKS
 
         _choice("task", self.task, TASKS)
         _choice("model", self.model, ("auto", *MODELS))

@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gep_fed import GEPConfig, NoiseSource
-from gep_fed.data import load_digits, sample_photo_patches, validation_split
-from gep_fed.langevin import LangevinConfig, LangevinTrainer, beta0_for_epsilon
-from gep_fed.mechanisms import calibrate_noise_multiplier
-from gep_fed.training import OptimizerConfig, train_nonprivate, train_private
+from gep_fed.data.datasets import load_digits, sample_photo_patches, validation_split
+from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer, beta0_for_epsilon
+from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier
+from gep_fed.mechanisms.training import OptimizerConfig, train_nonprivate, train_private
 
 FEATURE_NORM = 1.0
 G = math.sqrt(2.0) * FEATURE_NORM  # the largest gradient norm without bias: no clip binds

@@ -10,9 +10,9 @@ import contextlib
 
 import torch
 
-from gep_fed import langevin
-from gep_fed.mechanisms import GEP, Mechanism
-from gep_fed.sampling import PoissonSampler
+from gep_fed.mechanisms import langevin
+from gep_fed.mechanisms.mechanism import GEP, Mechanism
+from gep_fed.mechanisms.sampling import PoissonSampler
 
 
 @contextlib.contextmanager

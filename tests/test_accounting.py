@@ -15,8 +15,8 @@ from gep_fed import (
     epsilon_pld,
     epsilon_rdp,
 )
-from gep_fed.ledger import create_ledger_key, default_key_path, read_ledger_key
-from gep_fed.mechanisms import mechanism_class
+from gep_fed.accounting.ledger import create_ledger_key, default_key_path, read_ledger_key
+from gep_fed.mechanisms.mechanism import mechanism_class
 
 SETTINGS = [(0.01, 1.1, 1000), (0.032, 3.2, 940), (0.1, 0.8, 50)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from audit_variants import VARIANTS, langevin_noise_cut_a_hundredfold, noise_quartered
 
-from gep_fed.audit import AuditSetup, epsilon_lower_bound, p_value, run_audit
+from gep_fed.accounting.audit import AuditSetup, epsilon_lower_bound, p_value, run_audit
 
 
 def test_all_guesses_right_without_delta_gives_the_randomised_response_bound():

@@ -7,17 +7,17 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-from gep_fed import wire
+from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.config import ConfigError, FederationConfig
-from gep_fed.data import DataError
-from gep_fed.federation import FederationServer
-from gep_fed.ledger import LedgerError, PrivacyLedger
-from gep_fed.mechanisms import ClippedSums
-from gep_fed.policy import SiteConfig
-from gep_fed.rundir import RunDirectory
-from gep_fed.site import load_site_file
-from gep_fed.tasks import load_task
-from server.strategy import GEPStrategy
+from gep_fed.data.datasets import DataError
+from gep_fed.data.tasks import load_task
+from gep_fed.federation import wire
+from gep_fed.federation.policy import SiteConfig
+from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.server import FederationServer
+from gep_fed.federation.site import load_site_file
+from gep_fed.flower.strategy import GEPStrategy
+from gep_fed.mechanisms.mechanism import ClippedSums
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_server_refuses_a_corrupted_ledger_and_leaves_it_untouched(tmp_path, dig
 
 
 def test_noise_seeding_is_recorded_in_the_run_directory(tmp_path):
-    from server.app import build_strategy
+    from gep_fed.flower.serverapp import build_strategy
 
     for seed, expected in ((None, "NoiseSource(cryptographic)"), (5, "NoiseSource(seed=5)")):
         fed = FederationConfig(

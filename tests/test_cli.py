@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gep_fed.cli import build_parser
+from gep_fed.cli.main import build_parser
 
 GEP_FED = Path(sys.executable).parent / "gep-fed"
 
@@ -80,7 +80,7 @@ def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     summary, the metrics (hence the bar and epsilon.png) and the report show the largest."""
     import json
 
-    from gep_fed.ledger import PrivacyLedger
+    from gep_fed.accounting.ledger import PrivacyLedger
 
     proc = gep_fed(
         "simulate",

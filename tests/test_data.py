@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import shared_file
 
-from gep_fed.data import (
+from gep_fed.data.datasets import (
     DataError,
     load_digits,
     load_kmnist,
@@ -16,9 +16,9 @@ from gep_fed.data import (
     read_idx,
     sample_photo_patches,
 )
-from gep_fed.partition import partition_indices
-from gep_fed.site import load_site_file
-from gep_fed.tasks import load_task
+from gep_fed.data.partition import partition_indices
+from gep_fed.data.tasks import load_task
+from gep_fed.federation.site import load_site_file
 
 
 def test_mnist_idx_files_load_with_the_documented_class_counts():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gep_fed.ledger import PrivacyLedger
-from gep_fed.rundir import RunDirectory
+from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.federation.rundir import RunDirectory
 
 ROOT = Path(__file__).parents[1]
 GUIDE = ROOT / "docs" / "deployment.md"

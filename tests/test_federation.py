@@ -5,15 +5,15 @@ import torch
 import torch.nn.functional as F
 
 from gep_fed import PoissonSampler, per_example_gradients
+from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.config import FederationConfig
-from gep_fed.federation import FederationServer
-from gep_fed.ledger import LedgerError, PrivacyLedger
-from gep_fed.partition import partition_indices
-from gep_fed.policy import SitePolicy
-from gep_fed.rundir import RunDirectory
-from gep_fed.site import Site
-from gep_fed.tasks import load_task
-from gep_fed.wire import RoundRefused
+from gep_fed.data.partition import partition_indices
+from gep_fed.data.tasks import load_task
+from gep_fed.federation.policy import SitePolicy
+from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.server import FederationServer
+from gep_fed.federation.site import Site
+from gep_fed.federation.wire import RoundRefused
 
 # Sites of these tests trust the server (central mode) and accept noise-free rounds.
 TRUSTING = SitePolicy(None, 1e-5, accepted_modes=("client", "central"), allow_no_noise=True)

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from gep_fed.ledger import PrivacyLedger
-from gep_fed.rundir import RunDirectory
+from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.federation.rundir import RunDirectory
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent

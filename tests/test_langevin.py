@@ -12,9 +12,9 @@ from dp_accounting import rdp
 from torch import nn
 
 from gep_fed import MLP, MnistCNN, NoiseSource
-from gep_fed.accounting import RDP_ORDERS, PrivacyEvent, epsilon_rdp
-from gep_fed.groups import ParameterLayout
-from gep_fed.langevin import (
+from gep_fed.accounting.events import RDP_ORDERS, PrivacyEvent, epsilon_rdp
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.langevin import (
     LangevinConfig,
     LangevinTrainer,
     beta0_for_epsilon,
@@ -24,8 +24,8 @@ from gep_fed.langevin import (
     single_pass_event,
     softmax_linear_bounds,
 )
-from gep_fed.mechanisms import GP
-from gep_fed.per_example import IncompatibleModelError, per_example_gradients
+from gep_fed.mechanisms.mechanism import GP
+from gep_fed.mechanisms.per_example import IncompatibleModelError, per_example_gradients
 
 
 def direct_bound(alpha, eta, G, beta0, sizes):
@@ -259,9 +259,9 @@ def test_non_linear_models_are_refused_with_the_reason():
 
 
 def test_langevin_runs_in_the_federation_in_client_mode(tmp_path):
+    from gep_fed.accounting.ledger import PrivacyLedger
     from gep_fed.config import ConfigError, FederationConfig
-    from gep_fed.ledger import PrivacyLedger
-    from simulations.runner import simulate
+    from gep_fed.flower.simulation import simulate
 
     with pytest.raises(ConfigError, match="client mode on a linear model"):
         FederationConfig(mechanism="langevin", model="mlp")

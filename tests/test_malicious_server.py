@@ -1,8 +1,8 @@
 """A malicious server against a deployed site in client-side mode.
 
 The server controls every message and the run config. Each test crafts what it sends to the
-real ClientApp handler (``client.app.handle_train``) of a site whose node config, data file
-and keyed ledger are its own, then checks that the attempt was refused with a fixed code or
+real ClientApp handler (``gep_fed.flower.handle_train``) of a site whose node config, data
+file and keyed ledger are its own, then checks that the attempt was refused with a fixed code or
 made harmless, what the site's ledger holds afterwards, and that no reply carries
 data-dependent text or numbers.
 """
@@ -15,16 +15,16 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-import client.app as client_app
-from gep_fed import wire
+import gep_fed.flower.clientapp as client_app
+from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
 from gep_fed.config import FederationConfig
-from gep_fed.data import load_digits
-from gep_fed.federation import FederationServer
-from gep_fed.ledger import PrivacyLedger, create_ledger_key, default_key_path
-from gep_fed.noise import NoiseSource
-from gep_fed.per_example import per_example_gradients
-from gep_fed.rundir import RunDirectory
-from gep_fed.tasks import load_task
+from gep_fed.data.datasets import load_digits
+from gep_fed.data.tasks import load_task
+from gep_fed.federation import wire
+from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.server import FederationServer
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import per_example_gradients
 
 # What a reply's metrics may hold: each is public or set by the site's own accounting.
 DATA_FREE_METRICS = {"basis-bytes-received", "basis-id", "local-steps", "site-epsilon"}
@@ -257,7 +257,7 @@ def test_a_deleted_or_forged_ledger_stops_the_site_and_is_not_recreated(
 def test_a_rejected_central_reply_leaves_no_trace_of_its_values_on_the_server(tmp_path, digits):
     """Point 7: the rejection of implausible clipped sums is the same text whatever the
     sums were, so nothing computed from unnoised site data reaches metrics or reports."""
-    from gep_fed.mechanisms import ClippedSums
+    from gep_fed.mechanisms.mechanism import ClippedSums
 
     server = make_server(tmp_path, digits, mode="central")
     server.plan_round(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gep_fed import BGEP, GEP, GP, NoiseSource
-from gep_fed.mechanisms import PerExampleClipping
+from gep_fed.mechanisms.mechanism import PerExampleClipping
 from helpers import flat_layout, random_subspace
 
 S1, S2, S = 1.5, 0.3, 1.0

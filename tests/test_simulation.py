@@ -14,13 +14,13 @@ import pytest
 import torch
 from dp_accounting import rdp
 
-from gep_fed import wire
-from gep_fed.accounting import epsilon_rdp
+from gep_fed.accounting.events import epsilon_rdp
+from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
 from gep_fed.config import FederationConfig
-from gep_fed.ledger import PrivacyLedger, create_ledger_key, default_key_path
-from gep_fed.mechanisms import GEP
-from gep_fed.tasks import load_task
-from simulations.runner import simulate
+from gep_fed.data.tasks import load_task
+from gep_fed.federation import wire
+from gep_fed.flower.simulation import simulate
+from gep_fed.mechanisms.mechanism import GEP
 
 # Ray workers must unpickle the tampering client app defined here.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -85,7 +85,7 @@ def tampering_client_app(fed, simulation):
     from flwr.app import Array, ArrayRecord, ConfigRecord
     from flwr.clientapp import ClientApp
 
-    from client.app import handle_train
+    from gep_fed.flower.clientapp import handle_train
 
     app = ClientApp()
 
@@ -115,12 +115,12 @@ def tampering_client_app(fed, simulation):
 
 
 def test_bad_replies_are_rejected_by_name_and_the_round_goes_on(tmp_path, monkeypatch, caplog):
-    import simulations.runner as runner
+    import gep_fed.flower.simulation as runner
 
     fed = FederationConfig(
         mode="central", rounds=4, num_sites=4, run_dir=str(tmp_path), run_name="r", **FAST
     )
-    monkeypatch.setattr("client.app.make_client_app", tampering_client_app)
+    monkeypatch.setattr("gep_fed.flower.clientapp.make_client_app", tampering_client_app)
     caplog.set_level("WARNING", logger="gep_fed.server")
     result = runner.simulate(fed, progress=False)
     expected = [

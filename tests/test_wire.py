@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from gep_fed import ParameterLayout, PrivacyContract, wire
-from gep_fed.models import MLP
-from gep_fed.wire import WireError, as_wire_array
+from gep_fed import ParameterLayout, PrivacyContract
+from gep_fed.data.models import MLP
+from gep_fed.federation import wire
+from gep_fed.federation.wire import WireError, as_wire_array
 
 
 def arrays(**values):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gep_fed.ledger import PrivacyLedger
-from gep_fed.rundir import CONFIG, REPORT, RunDirectory
+from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory
 
 PLOTS = (
     ("test_accuracy", "test accuracy", "accuracy.png"),

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from scipy import stats
 
-from gep_fed.mechanisms import GP, ClippedSums, Mechanism
-from gep_fed.sampling import PoissonSampler
-from gep_fed.subspace import AnchorSubspace
+from gep_fed.mechanisms.mechanism import GP, ClippedSums, Mechanism
+from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 METHOD = "one-run audit, white box (Steinke, Nasr & Jagielski 2023, Theorem 3)"
 # Canaries that cover what each mechanism releases.
@@ -320,16 +320,16 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     temporary folder when None)."""
     import tempfile
 
+    from gep_fed.accounting.ledger import PrivacyLedger
     from gep_fed.config import FederationConfig
-    from gep_fed.federation import FederationServer
-    from gep_fed.ledger import PrivacyLedger
-    from gep_fed.mechanisms import calibrate_noise_multiplier
-    from gep_fed.noise import NoiseSource
-    from gep_fed.policy import SitePolicy
-    from gep_fed.rundir import RunDirectory
-    from gep_fed.site import Site
-    from gep_fed.step import GEPStep
-    from gep_fed.tasks import load_task
+    from gep_fed.data.tasks import load_task
+    from gep_fed.federation.policy import SitePolicy
+    from gep_fed.federation.rundir import RunDirectory
+    from gep_fed.federation.server import FederationServer
+    from gep_fed.federation.site import Site
+    from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier
+    from gep_fed.mechanisms.noise import NoiseSource
+    from gep_fed.mechanisms.step import GEPStep
 
     s = setup
     task = load_task("digits", num_public=300, seed=s.seed)
@@ -424,9 +424,9 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
 
 def _audit_langevin(s: AuditSetup, x: torch.Tensor, y: torch.Tensor) -> AuditResult:
     """Multi-pass Langevin on a linear model: every iterate is a release."""
-    from gep_fed.langevin import LangevinConfig, LangevinTrainer
-    from gep_fed.models import MLP
-    from gep_fed.noise import NoiseSource
+    from gep_fed.data.models import MLP
+    from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
+    from gep_fed.mechanisms.noise import NoiseSource
 
     torch.manual_seed(s.seed)
     model = MLP(x[0].numel(), 10, hidden=())

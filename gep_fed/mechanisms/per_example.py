@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from gep_fed.groups import ParameterLayout
+from gep_fed.mechanisms.groups import ParameterLayout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

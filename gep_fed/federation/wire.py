@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from gep_fed.config import MODES, ConfigError, PrivacyContract
-from gep_fed.groups import ParameterLayout
-from gep_fed.mechanisms import ClippedSums
-from gep_fed.subspace import AnchorSubspace
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
 PROTOCOL_VERSION = 2

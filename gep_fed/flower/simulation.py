@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gep_fed.config import FederationConfig
-from gep_fed.rundir import RunDirectory
+from gep_fed.federation.rundir import RunDirectory
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ def simulate(
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from flwr.simulation import run_simulation
 
-    from client.app import make_client_app
-    from server.app import make_server_app
+    from gep_fed.flower.clientapp import make_client_app
+    from gep_fed.flower.serverapp import make_server_app
 
     if not fed.run_name:
         stamp = time.strftime("%Y%m%d-%H%M%S")

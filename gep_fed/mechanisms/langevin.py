@@ -46,16 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed.accounting import PrivacyEvent, calibrate
-from gep_fed.groups import ParameterLayout
-from gep_fed.ledger import PrivacyLedger
-from gep_fed.mechanisms import GP, ClippedSums
-from gep_fed.noise import NoiseSource
-from gep_fed.per_example import IncompatibleModelError, LossFn, per_example_gradients
-from gep_fed.sampling import PoissonSampler
+from gep_fed.accounting.events import PrivacyEvent, calibrate
+from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.mechanism import GP, ClippedSums
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import IncompatibleModelError, LossFn, per_example_gradients
+from gep_fed.mechanisms.sampling import PoissonSampler
 
 if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.audit import GradientCanaries
+    from gep_fed.accounting.audit import GradientCanaries
 
 SCHEDULES = ("single-pass", "multi-pass")
 
@@ -310,7 +310,7 @@ class LangevinTrainer:
         self.generator = generator
         self.party = party
         self._clip = GP(config.grad_bound)
-        # Audit canaries (gep_fed.audit): gradients that join multi-pass samples. Audits only.
+        # Audit canaries (accounting.audit): gradients that join multi-pass samples. Audits only.
         self.canaries: GradientCanaries | None = None
 
     def _mean_clipped_gradient(self, x, y, divide_by: float, sample_rate: float = 1.0):

@@ -22,24 +22,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed.accounting import PrivacyEvent
+from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
 from gep_fed.config import ConfigError, FederationConfig, GEPConfig
-from gep_fed.data import ArrayDataset, DataError
-from gep_fed.langevin import LangevinConfig, LangevinTrainer
-from gep_fed.ledger import BudgetExceededError, PrivacyLedger
-from gep_fed.mechanisms import ClippedSums
-from gep_fed.noise import NoiseSource
-from gep_fed.partition import partition_indices
-from gep_fed.per_example import per_example_gradients, validate_model
-from gep_fed.policy import SiteConfig, SitePolicy
-from gep_fed.sampling import PoissonSampler
-from gep_fed.step import GEPStep
-from gep_fed.subspace import AnchorSubspace
-from gep_fed.tasks import load_task
-from gep_fed.wire import RoundConfig, RoundRefused
+from gep_fed.data.datasets import ArrayDataset, DataError
+from gep_fed.data.partition import partition_indices
+from gep_fed.data.tasks import load_task
+from gep_fed.federation.policy import SiteConfig, SitePolicy
+from gep_fed.federation.wire import RoundConfig, RoundRefused
+from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
+from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import per_example_gradients, validate_model
+from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.mechanisms.step import GEPStep
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.audit import GradientCanaries
+    from gep_fed.accounting.audit import GradientCanaries
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -98,7 +98,7 @@ class Site:
         self.noise = noise if noise is not None else NoiseSource(policy.noise_seed)
         self.sampler_generator = sampler_generator
         self.max_chunk = max_chunk
-        # Audit canaries (gep_fed.audit): gradients that join this site's samples. Audits only.
+        # Audit canaries (accounting.audit): gradients that join this site's samples. Audits only.
         self.canaries: GradientCanaries | None = None
 
     @property

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from gep_fed.config import GEPConfig
-from gep_fed.groups import ParameterLayout
-from gep_fed.per_example import LossFn, per_example_gradients
-from gep_fed.subspace import AnchorSubspace, power_method_subspace
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.per_example import LossFn, per_example_gradients
+from gep_fed.mechanisms.subspace import AnchorSubspace, power_method_subspace
 
 
 @dataclass(frozen=True)

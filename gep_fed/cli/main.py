@@ -11,16 +11,16 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
-from gep_fed.accounting import ImpossibleTargetError, epsilon_pld, epsilon_rdp
-from gep_fed.config import ConfigError, FederationConfig
-from gep_fed.ledger import (
+from gep_fed.accounting.events import ImpossibleTargetError, epsilon_pld, epsilon_rdp
+from gep_fed.accounting.ledger import (
     LedgerError,
     PrivacyLedger,
     create_ledger_key,
     default_key_path,
     read_ledger_key,
 )
-from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
+from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
 
 
 def _field_type(f) -> type:
@@ -71,8 +71,8 @@ def _quiet_logs() -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from gep_fed.report import render_report
-    from simulations.runner import simulate
+    from gep_fed.cli.report import render_report
+    from gep_fed.flower.simulation import simulate
 
     fed = federation_config(args)
     _quiet_logs()
@@ -117,7 +117,7 @@ def _print_summary(fed, result, wall: float) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from gep_fed.report import render_report
+    from gep_fed.cli.report import render_report
 
     print(render_report(args.run_dir))
     return 0
@@ -169,7 +169,7 @@ def _ledger_show(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     import json
 
-    from gep_fed.audit import AuditSetup, report_lines, run_audit
+    from gep_fed.accounting.audit import AuditSetup, report_lines, run_audit
 
     setup = AuditSetup(
         mechanism=args.mechanism,
@@ -217,7 +217,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from simulations.compare import run_comparison
+    from gep_fed.cli.compare import run_comparison
 
     _quiet_logs()
     base = federation_config(args)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gep_fed.data import (
+from gep_fed.data.datasets import (
     MNIST_MEAN,
     MNIST_STD,
     ArrayDataset,
@@ -31,7 +31,7 @@ from gep_fed.data import (
     sample_photo_patches,
     to_tensor,
 )
-from gep_fed.models import MLP, MnistCNN
+from gep_fed.data.models import MLP, MnistCNN
 
 TASKS = ("digits", "mnist", "pneumonia", "medmnist")
 MODELS = ("cnn", "mlp", "linear")

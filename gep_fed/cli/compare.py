@@ -6,7 +6,6 @@ the pooled data on one machine (same steps and sampling rate as central mode). W
 Markdown table and one plot; every run keeps its own run directory.
 
     gep-fed compare --task mnist --partition dirichlet --epsilons 2 8
-    python -m simulations.compare --help      # same options
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from pathlib import Path
 import torch
 
 from gep_fed.config import FederationConfig
-from gep_fed.federation import noise_multiplier_for
-from gep_fed.noise import NoiseSource
-from gep_fed.tasks import load_task
-from gep_fed.training import OptimizerConfig, evaluate, train_private
-from simulations.runner import simulate
+from gep_fed.data.tasks import load_task
+from gep_fed.federation.server import noise_multiplier_for
+from gep_fed.flower.simulation import simulate
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_private
 
 MECHANISMS = ("gp", "bgep", "gep")
 MODES = ("central", "client")
@@ -217,8 +216,3 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path)
     plt.close(fig)
 
-
-if __name__ == "__main__":
-    from gep_fed.cli import main
-
-    sys.exit(main(["compare", *sys.argv[1:]]))

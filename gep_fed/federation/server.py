@@ -18,20 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gep_fed.accounting import PrivacyEvent
-from gep_fed.anchors import compute_anchor_subspace
+from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.config import FederationConfig
-from gep_fed.groups import ParameterLayout
-from gep_fed.ledger import LedgerError, PrivacyLedger
-from gep_fed.mechanisms import ClippedSums, calibrate_noise_multiplier
-from gep_fed.noise import NoiseSource
-from gep_fed.rundir import CHECKPOINT, MODEL, RunDirectory
-from gep_fed.site import resolve_device
-from gep_fed.step import write_gradient
-from gep_fed.subspace import AnchorSubspace
-from gep_fed.tasks import TaskData
-from gep_fed.training import evaluate
-from gep_fed.wire import (
+from gep_fed.data.tasks import TaskData
+from gep_fed.federation.rundir import CHECKPOINT, MODEL, RunDirectory
+from gep_fed.federation.site import resolve_device
+from gep_fed.federation.wire import (
     CLIPPED_SUMS,
     RoundConfig,
     WireError,
@@ -41,9 +34,16 @@ from gep_fed.wire import (
     encode_basis,
     encode_state,
 )
+from gep_fed.mechanisms.anchors import compute_anchor_subspace
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.mechanism import ClippedSums, calibrate_noise_multiplier
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.step import write_gradient
+from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.mechanisms.training import evaluate
 
 if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.audit import GradientCanaries
+    from gep_fed.accounting.audit import GradientCanaries
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class FederationServer:
         self.subspace: AnchorSubspace | None = None
         self.basis_id = -1
         self._basis_arrays: dict | None = None
-        # Audit canaries (gep_fed.audit): scored against each central release. Audits only.
+        # Audit canaries (accounting.audit): scored against each central release. Audits only.
         self.canaries: GradientCanaries | None = None
 
     # -- accounting --------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from gep_fed.accounting import PrivacyEvent, calibrate
-from gep_fed.noise import NoiseSource
-from gep_fed.subspace import AnchorSubspace
+from gep_fed.accounting.events import PrivacyEvent, calibrate
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 # Unit roundoff of float32. The embedding ``G B`` is computed in float32; each entry's rounding
 # error is modelled as at most SAFETY * u * sqrt(p_g) * ||g_g|| (random-walk growth of rounding

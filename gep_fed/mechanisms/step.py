@@ -19,17 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.config import GEPConfig
-from gep_fed.groups import ParameterLayout
-from gep_fed.ledger import PrivacyLedger
-from gep_fed.mechanisms import ClippedSums, Mechanism
-from gep_fed.noise import NoiseSource
-from gep_fed.per_example import LossFn, per_example_gradients, validate_model
-from gep_fed.subspace import AnchorSubspace
+from gep_fed.mechanisms.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import LossFn, per_example_gradients, validate_model
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.audit import GradientCanaries
+    from gep_fed.accounting.audit import GradientCanaries
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class GEPStep:
         generator: public randomness (anchor subset, random labels, power-method start).
         party: recorded with each event (e.g. a site id).
         round: recorded with each event (a federated round), if given.
-        canaries: audit canaries (``gep_fed.audit``): their sampled gradients join each
+        canaries: audit canaries (``gep_fed.accounting.audit``): their sampled gradients join each
             batch and every noisy release is scored against them. Audits only.
     """
 

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from gep_fed.groups import ParameterLayout
+from gep_fed.mechanisms.groups import ParameterLayout
 
 GradientChunks = Callable[[], Iterable[torch.Tensor]]
 

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.config import GEPConfig
-from gep_fed.ledger import PrivacyLedger
-from gep_fed.noise import NoiseSource
-from gep_fed.sampling import PoissonSampler
-from gep_fed.step import GEPStep
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.mechanisms.step import GEPStep
 
 
 @dataclass(frozen=True)

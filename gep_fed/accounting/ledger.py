@@ -23,7 +23,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from gep_fed.accounting import PrivacyEvent, epsilon_pld, epsilon_rdp
+from gep_fed.accounting.events import PrivacyEvent, epsilon_pld, epsilon_rdp
 
 FORMAT = "gep-fed-ledger/1"
 KEY_BYTES = 32

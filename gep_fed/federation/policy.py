@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gep_fed.accounting.ledger import default_key_path
 from gep_fed.config import MODES, ConfigError
-from gep_fed.ledger import default_key_path
-from gep_fed.wire import RoundConfig, RoundRefused
+from gep_fed.federation.wire import RoundConfig, RoundRefused
 
 DEVICES = ("auto", "cpu", "cuda")
 SIMULATED_SITE_ENV = "GEP_FED_SIMULATED_SITE"

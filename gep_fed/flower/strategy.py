@@ -26,9 +26,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from tqdm.auto import tqdm
 
-from gep_fed import wire
-from gep_fed.federation import FederationServer
-from gep_fed.ledger import BudgetExceededError
+from gep_fed.accounting.ledger import BudgetExceededError
+from gep_fed.federation import wire
+from gep_fed.federation.server import FederationServer
 
 log = logging.getLogger("gep_fed.server")
 

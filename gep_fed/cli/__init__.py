@@ -1,0 +1,1 @@
+"""The ``gep-fed`` command line: simulate, compare, report, calibrate, audit, ledger."""
