@@ -8,19 +8,28 @@ with ``basis_refresh = R`` it is paid once every R steps.
 
     python benchmarks/step_time.py                    # MNIST CNN (b=256, k=200) and ResNet20-GN
     python benchmarks/step_time.py --models cnn --device cuda
+    python benchmarks/step_time.py --models resnet18 --threads 1 --repeats 10 \
+        --num-anchors 256 --max-chunk 8 --append   # ResNet-18-GN, 64x64, b=32, k~500
+
+``--append`` adds the new section to the results file (and merges the JSON) instead of
+replacing it. Opacus ghost clipping (``grad_sample_mode="ghost"``) is a fifth method; where the
+installed Opacus cannot build or run it on the model, the table says so and why.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import save
@@ -29,14 +38,63 @@ from gep_fed import (
     GEP,
     GP,
     AnchorSubspace,
+    GEPConfig,
     MnistCNN,
     NoiseSource,
     ParameterLayout,
+    batchnorm_to_groupnorm,
     compute_anchor_subspace,
     per_example_gradients,
     resnet20_gn,
 )
-from gep_fed.config import GEPConfig
+
+
+def _basic_block_forward(self, x):
+    """torchvision's BasicBlock.forward with ``out = out + identity`` instead of ``+=``."""
+    out = self.relu(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    identity = x if self.downsample is None else self.downsample(x)
+    return self.relu(out + identity)
+
+
+def resnet18_gn() -> nn.Module:
+    """torchvision ResNet-18 (ImageNet stem, 10 classes) with every BatchNorm as GroupNorm.
+
+    Its in-place ReLUs and ``out += identity`` modify outputs of layers that Opacus hooks with
+    full backward hooks, which PyTorch refuses ("Output 0 of BackwardHookFunction is a view and
+    is being modified inplace", pytorch/pytorch#61519); the same function out of place is used
+    for every method.
+    """
+    from torchvision.models import resnet18
+    from torchvision.models.resnet import BasicBlock
+
+    model = batchnorm_to_groupnorm(resnet18(weights=None, num_classes=10))
+    for module in model.modules():
+        if isinstance(module, nn.ReLU):
+            module.inplace = False
+        if isinstance(module, BasicBlock):
+            module.forward = types.MethodType(_basic_block_forward, module)
+    return model
+
+
+def _resnet18_groups() -> dict[str, list[str]]:
+    """One parameter group per convolution or linear layer, its GroupNorm attached (21 groups).
+
+    Fewer, larger groups get k_g ~ k sqrt(p_g) / sum sqrt(p_j), so the bases' size
+    sum_g p_g k_g grows with the group sizes: ~9 GiB for one group per stage at k = 500,
+    ~2.2 GiB per layer, which is what 24 GiB of memory allows here.
+    """
+    groups = {"stem": ["conv1.*", "bn1.*"]}
+    for stage in range(1, 5):
+        for block in range(2):
+            head = f"layer{stage}.{block}"
+            for i in (1, 2):
+                groups[f"{head}.conv{i}"] = [f"{head}.conv{i}.*", f"{head}.bn{i}.*"]
+            if stage > 1 and block == 0:
+                groups[f"{head}.downsample"] = [f"{head}.downsample.*"]
+    groups["fc"] = ["fc.*"]
+    return groups
+
 
 SETUPS = {
     # name: (model factory, input shape, batch, k, groups)
@@ -52,8 +110,9 @@ SETUPS = {
             "output": ["layer3.*", "fc.*"],
         },
     ),
+    "resnet18": (resnet18_gn, (3, 64, 64), 32, 500, _resnet18_groups()),
 }
-METHODS = ("nonprivate", "gp", "opacus", "gep")
+METHODS = ("nonprivate", "gp", "opacus", "opacus_ghost", "gep")
 
 
 def _sync(device):
@@ -125,7 +184,13 @@ def make_steps(
 
     steps = {"nonprivate": nonprivate, "gp": private(GP(1.0)), "gep": private(GEP(1.0, 0.2))}
     steps["opacus"] = _opacus_step(setup, device, x, y)
-    return steps, anchor_seconds, layout.size
+    failures = {}
+    try:
+        steps["opacus_ghost"] = _opacus_ghost_step(setup, device, x, y)
+    except Exception as err:  # an Opacus without ghost clipping, or a layer it cannot handle
+        failures["opacus_ghost"] = f"{type(err).__name__}: {err}"
+    steps = {m: steps[m] for m in METHODS if m in steps}
+    return steps, anchor_seconds, layout.size, failures
 
 
 def _opacus_step(setup, device, x, y):
@@ -151,9 +216,47 @@ def _opacus_step(setup, device, x, y):
     return step
 
 
-def time_steps(steps: dict, repeats: int, device) -> dict:
-    for fn in steps.values():  # warm-up (torch.func tracing, allocator)
-        fn()
+def _opacus_ghost_step(setup, device, x, y):
+    """Opacus ghost clipping: PrivacyEngine.make_private(grad_sample_mode="ghost"), whose
+    criterion wrapper (DPLossFastGradientClipping) runs the two backward passes (per-example
+    norms without per-example gradients, then the reweighted batch gradient)."""
+    from opacus import PrivacyEngine
+
+    make = SETUPS[setup][0]
+    torch.manual_seed(0)
+    model = make().to(device)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=len(x), shuffle=False
+    )
+    model, opt, criterion, _ = PrivacyEngine(accountant="rdp").make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        criterion=nn.CrossEntropyLoss(),
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+    )
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def time_steps(steps: dict, repeats: int, device, failures: dict | None = None) -> dict:
+    """Median seconds per method; a method whose warm-up raises is dropped into ``failures``."""
+    for name, fn in list(steps.items()):  # warm-up (torch.func tracing, allocator)
+        try:
+            fn()
+        except Exception as err:
+            if failures is None or name != "opacus_ghost":
+                raise
+            failures[name] = f"{type(err).__name__}: {err}"
+            del steps[name]
     samples = {name: [] for name in steps}
     for _ in range(repeats):
         for name, fn in steps.items():
@@ -172,30 +275,44 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def memory_level(device: torch.device, peak: bool = False) -> float:
+    """MiB in use now (or the high-water mark since the last reset): resident set on CPU,
+    allocated tensors on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return (
+            torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+        ) / 2**20
+    return _status_kib("VmHWM" if peak else "VmRSS") / 1024
+
+
 def measure_peak(fn, device: torch.device) -> float:
     """MiB by which one call of ``fn`` raises memory above the level before it."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - before) / 2**20
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
-    before = _status_kib("VmRSS")
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
+    before = memory_level(device)
     fn()
-    return (_status_kib("VmHWM") - before) / 1024
+    return memory_level(device, peak=True) - before
 
 
-def peak_memory(setup: str, method: str, device: str, num_anchors: int, max_chunk: int) -> float:
-    """MiB above the process's level just before the step, in a fresh subprocess."""
+def peak_memory(
+    setup: str, method: str, device: str, num_anchors: int, max_chunk: int, threads: int = 0
+) -> tuple[float, float]:
+    """Peak MiB of the second step in a fresh subprocess, above two levels: the process's level
+    just before that step, and the level before the first step (after building the models), which
+    also counts what a method keeps between steps (Opacus keeps the per-example gradients of the
+    last step, ``p.grad_sample``, until the next ``zero_grad``)."""
     code = (
         "import sys, torch; sys.path.insert(0, 'benchmarks');"
         "import step_time as s;"
-        f"dev = torch.device('{device}');"
-        f"steps, _, _ = s.make_steps('{setup}', dev, {num_anchors}, {max_chunk}, False);"
-        "fn = steps['" + method + "']; fn();"
-        "print(s.measure_peak(fn, dev))"
+        + (f"torch.set_num_threads({threads});" if threads else "")
+        + f"dev = torch.device('{device}');"
+        f"steps, _, _, _ = s.make_steps('{setup}', dev, {num_anchors}, {max_chunk}, False);"
+        "fn = steps['" + method + "']; b0 = s.memory_level(dev); fn();"
+        "print(s.measure_peak(fn, dev), s.memory_level(dev, peak=True) - b0)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -206,10 +323,63 @@ def peak_memory(setup: str, method: str, device: str, num_anchors: int, max_chun
     )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
-    return float(out.stdout.strip().splitlines()[-1])
+    step, with_state = map(float, out.stdout.strip().splitlines()[-1].split())
+    return step, with_state
+
+
+def _ratio(a, b) -> str:
+    if a is None or not b:
+        return "-"
+    return f"{a / b:.2f}" if a / b >= 0.1 else f"{a / b:.3f}"
+
+
+def section(setup, args, result, failures) -> list[str]:
+    """The Markdown section of one model: table, anchor time, failures."""
+    times, mem = result["seconds"], result["peak_mib"]
+    lines = [
+        f"## {setup}: {result['params']:,} parameters, input {result['input']}, "
+        f"batch {result['batch']}, k = {result['k']} ({result['basis']}), "
+        f"{args.num_anchors} anchors",
+        "",
+        f"{result['device']}, {result['threads']} threads, median of {args.repeats} interleaved "
+        f"repeats, max_chunk {args.max_chunk}. Command: `{result['command']}`",
+        "",
+        "| method | step ms | x non-private | x our GP | x Opacus | step peak MiB | x GP | "
+        "x Opacus | peak MiB incl. kept state | x GP | x Opacus |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in METHODS:
+        if m not in times:
+            lines.append(f"| {m} | failed (below) |" + " - |" * 9)
+            continue
+        t = times[m]
+        cells = [
+            f"{1000 * t:.1f}",
+            f"{t / times['nonprivate']:.2f}",
+            f"{t / times['gp']:.2f}",
+            f"{t / times['opacus']:.2f}",
+        ]
+        for peaks in (mem, result.get("peak_mib_with_state", {})):
+            mm = peaks.get(m)
+            cells += [
+                "-" if mm is None else f"{mm:.0f}",
+                _ratio(mm, peaks.get("gp")),
+                _ratio(mm, peaks.get("opacus")),
+            ]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    anchor_s = result["anchor_seconds_per_refresh"]
+    lines += [
+        "",
+        f"Anchor subspace per refresh: {anchor_s:.2f} s ({anchor_s / times['gep']:.1f} GEP steps)",
+    ]
+    for m, why in failures.items():
+        lines.append(f"\n{m} did not run: {why}")
+    lines.append("")
+    return lines
 
 
 def main(argv=None) -> int:
+    began = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     ap.add_argument("--device", default="cpu")
@@ -218,63 +388,77 @@ def main(argv=None) -> int:
     ap.add_argument("--max-chunk", type=int, default=256)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--append", action="store_true", help="append to the results instead of replacing them"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    command = "python benchmarks/step_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = {}
-    lines = [
-        f"# Step time and memory ({device}, {torch.get_num_threads()} threads, "
-        f"median of {args.repeats} interleaved repeats)",
-        "",
-    ]
+    lines = []
+    if not args.append:
+        lines += [
+            f"# Step time and memory ({device}, {torch.get_num_threads()} threads, "
+            f"median of {args.repeats} interleaved repeats)",
+            "",
+        ]
     for setup in args.models:
-        steps, anchor_s, p = make_steps(setup, device, args.num_anchors, args.max_chunk)
-        times = time_steps(steps, args.repeats, device)
-        mem = (
+        steps, anchor_s, p, failures = make_steps(setup, device, args.num_anchors, args.max_chunk)
+        times = time_steps(steps, args.repeats, device, failures)
+        both = (
             {}
             if args.no_memory
             else {
-                m: peak_memory(setup, m, args.device, args.num_anchors, args.max_chunk)
-                for m in METHODS
+                m: peak_memory(
+                    setup, m, args.device, args.num_anchors, args.max_chunk, args.threads
+                )
+                for m in times
             }
         )
-        _, _, batch, k, _ = SETUPS[setup]
+        mem = {m: v[0] for m, v in both.items()}
+        mem_state = {m: v[1] for m, v in both.items()}
+        _, shape, batch, k, groups = SETUPS[setup]
+        layout = ParameterLayout.from_model(SETUPS[setup][0](), groups)
+        dims = layout.allocate_basis(k, max_rank=args.num_anchors)
+        basis_mib = 4 * sum(g.size * d for g, d in zip(layout.groups, dims, strict=True)) / 2**20
         results[setup] = {
             "params": p,
+            "input": "x".join(map(str, shape)),
             "batch": batch,
-            "k": k,
+            "k": sum(dims),
+            "k_requested": k,
+            "basis": f"{len(dims)} groups, {basis_mib:,.0f} MiB of bases",
+            "k_per_group": dict(zip((g.name for g in layout.groups), dims, strict=True)),
+            "num_anchors": args.num_anchors,
+            "max_chunk": args.max_chunk,
+            "repeats": args.repeats,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+            "command": command,
             "seconds": times,
             "peak_mib": mem,
+            "peak_mib_with_state": mem_state,
             "anchor_seconds_per_refresh": anchor_s,
+            "failures": failures,
         }
-        lines += [
-            f"## {setup}: {p:,} parameters, batch {batch}, k = {k}, {args.num_anchors} anchors",
-            "",
-            "| method | step ms | x non-private | x our GP | x Opacus | peak MiB | "
-            "x Opacus memory |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for m in METHODS:
-            t = times[m]
-            mm = mem.get(m)
-            ratio_mem = f"{mm / mem['opacus']:.2f}" if mm is not None and mem["opacus"] > 0 else "-"
-            lines.append(
-                f"| {m} | {1000 * t:.1f} | {t / times['nonprivate']:.2f} | "
-                f"{t / times['gp']:.2f} | {t / times['opacus']:.2f} | "
-                f"{'-' if mm is None else f'{mm:.0f}'} | {ratio_mem} |"
-            )
-        lines += [
-            "",
-            f"Anchor subspace per refresh: {anchor_s:.2f} s "
-            f"({anchor_s / times['gep']:.1f} GEP steps)",
-            "",
-        ]
+        lines += section(setup, args, results[setup], failures)
+    wall = time.perf_counter() - began
+    lines.append(f"Wall time of this run: {wall:.0f} s ({wall / 60:.1f} min).\n")
     report = "\n".join(lines)
     print(report)
     name = f"step_time_{device.type}"
+    md = Path(__file__).parent / "results" / f"{name}.md"
+    json_path = Path(__file__).parent / "results" / f"{name}.json"
+    if args.append and json_path.exists():
+        previous = json.loads(json_path.read_text())
+        results = {**previous.get("results", {}), **results}
     save(name, {"device": str(device), "threads": torch.get_num_threads(), "results": results})
-    (Path(__file__).parent / "results" / f"{name}.md").write_text(report + "\n")
+    if args.append and md.exists():
+        md.write_text(md.read_text().rstrip("\n") + "\n\n\n" + report + "\n")
+    else:
+        md.write_text(report + "\n")
     return 0
 
 

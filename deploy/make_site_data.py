@@ -13,26 +13,27 @@ from pathlib import Path
 import numpy as np
 
 from gep_fed.data.partition import partition_indices
-from gep_fed.data.tasks import TASKS, load_task
+from gep_fed.data.task import TaskSettings
+from gep_fed.data.tasks import BUILT_IN_TASKS
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
-    ap.add_argument("--task", default="digits", choices=TASKS)
+    ap.add_argument("--task", default="digits", choices=sorted(BUILT_IN_TASKS))
     ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--num-sites", type=int, default=3)
     ap.add_argument("--partition", default="iid", choices=["iid", "dirichlet"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    task = load_task(args.task, args.data_dir, seed=args.seed)
+    task = BUILT_IN_TASKS[args.task](TaskSettings(data_dir=args.data_dir, seed=args.seed))
+    images, labels = task.train
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    parts = partition_indices(task.train.labels, args.num_sites, args.partition, seed=args.seed)
+    parts = partition_indices(labels, args.num_sites, args.partition, seed=args.seed)
     for i, idx in enumerate(parts):
-        site = task.train.subset(idx)
-        np.savez(out / f"site-{i}.npz", images=site.images, labels=site.labels)
-        print(f"{out / f'site-{i}.npz'}: {len(site)} examples")
+        np.savez(out / f"site-{i}.npz", images=images[idx], labels=labels[idx])
+        print(f"{out / f'site-{i}.npz'}: {len(idx)} examples")
     return 0
 
 

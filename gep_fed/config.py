@@ -296,9 +296,15 @@ class FederationConfig:
     Every field's help text is in its metadata (what ``gep-fed simulate --help`` shows).
     """
 
-    task: str = _opt("digits", "data set: digits (bundled, offline), mnist, pneumonia, medmnist")
+    task: str = _opt(
+        "digits",
+        "the task: digits (bundled, offline), mnist, pneumonia, medmnist, or your own as "
+        "'package.module:ClassName' (see docs/tasks.md)",
+    )
     model: str = _opt(
-        "auto", "architecture: auto (mlp for digits, cnn otherwise), cnn, mlp, linear"
+        "auto",
+        "architecture, as the task understands it (built-in tasks: auto = mlp for digits, "
+        "cnn otherwise; cnn, mlp, linear)",
     )
     data_dir: str = _opt("../shared/data", "folder with mnist/, kmnist/, medmnist/")
     medmnist_path: str = _opt("", "a MedMNIST <flag>.npz for task medmnist")
@@ -375,10 +381,14 @@ class FederationConfig:
     max_chunk: int = _opt(128, "examples differentiated at once (memory bound)")
 
     def __post_init__(self) -> None:
-        from gep_fed.data.tasks import MODELS, TASKS
+        from gep_fed.data.task import resolve_task
 
-        _choice("task", self.task, TASKS)
-        _choice("model", self.model, ("auto", *MODELS))
+        try:
+            resolve_task(self.task)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a name, got {self.model!r}")
         _choice("mode", self.mode, MODES)
         _choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
         _choice("partition", self.partition, PARTITIONS)
@@ -417,7 +427,10 @@ class FederationConfig:
             _number(name, getattr(self, name), low=0)
         for name in ("local_momentum", "server_momentum"):
             _number(name, getattr(self, name), low=0, high=0.999, low_open=False)
-        if self.mechanism == "langevin" and (self.mode != "client" or self.model_kind != "linear"):
+        from gep_fed.data.tasks import BUILT_IN_TASKS
+
+        linear = self.model == "linear" or self.task not in BUILT_IN_TASKS  # a user task: its
+        if self.mechanism == "langevin" and (self.mode != "client" or not linear):  # own check
             raise ConfigError(
                 "mechanism langevin runs in client mode on a linear model only (its guarantee "
                 "needs a convex loss): use --mode client --model linear"
@@ -431,12 +444,21 @@ class FederationConfig:
                 f"release_site_metrics must be true or false, got {self.release_site_metrics!r}"
             )
 
-    @property
-    def model_kind(self) -> str:
-        """The architecture: ``model``, or for "auto" the MLP on digits and the CNN otherwise."""
-        if self.model != "auto":
-            return self.model
-        return "mlp" if self.task == "digits" else "cnn"
+    def make_task(self):
+        """The run's task, built from its public settings (``gep_fed.data.task.Task``)."""
+        from gep_fed.data.task import TaskSettings, resolve_task
+
+        settings = TaskSettings(
+            data_dir=self.data_dir,
+            model=self.model,
+            num_public=self.num_public,
+            seed=self.seed,
+            options={"medmnist-path": self.medmnist_path} if self.medmnist_path else {},
+        )
+        try:
+            return resolve_task(self.task)(settings)
+        except ValueError as err:
+            raise ConfigError(f"task {self.task!r}: {err}") from None
 
     @property
     def steps_per_party(self) -> int:

@@ -44,16 +44,20 @@ def test_an_honest_run_audits_below_its_claim_and_above_zero(mechanism, mode, ep
     "variant", ["noise halved", "residual clipped at 2 S2", "GEP accounted at sigma"]
 )
 def test_a_broken_variant_raises_the_audited_bound(variant):
-    """The audit sees each of these leaks: the same seeds give a clearly higher bound. At
-    m = 1,000 the bound stays below the claim (the method reaches about 40 % of a Gaussian
-    mechanism's epsilon), so these are measured shifts, not proofs of a violation."""
+    """The audit sees each of these leaks: on the same seeds, every broken run audits higher
+    than its honest twin (five seeds). At m = 1,000 the bound stays below the claim (the
+    method reaches about 40 % of a Gaussian mechanism's epsilon), so these are measured
+    shifts, not proofs of a violation."""
     mechanism, broken = VARIANTS[variant]
-    setup = AuditSetup(mechanism=mechanism, mode="client", epsilon=2.0)
-    honest = run_audit(setup)
-    with broken():
-        leaky = run_audit(setup)
-    assert leaky.claimed_epsilon_rdp == pytest.approx(honest.claimed_epsilon_rdp)
-    assert leaky.epsilon_lower_bound > honest.epsilon_lower_bound + 0.2
+    shifts = []
+    for seed in range(5):
+        setup = AuditSetup(mechanism=mechanism, mode="client", epsilon=2.0, seed=seed)
+        honest = run_audit(setup)
+        with broken():
+            leaky = run_audit(setup)
+        assert leaky.claimed_epsilon_rdp == pytest.approx(honest.claimed_epsilon_rdp)
+        shifts.append(leaky.epsilon_lower_bound - honest.epsilon_lower_bound)
+    assert min(shifts) > 0 and sum(shifts) / len(shifts) > 0.15, shifts
 
 
 @pytest.mark.parametrize(

@@ -9,20 +9,20 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.config import ConfigError, FederationConfig
-from gep_fed.data.datasets import DataError
-from gep_fed.data.tasks import load_task
+from gep_fed.data.datasets import DataError, load_site_file
+from gep_fed.data.task import TaskSettings
+from gep_fed.data.tasks import DigitsTask
 from gep_fed.federation import wire
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
-from gep_fed.federation.site import load_site_file
 from gep_fed.flower.strategy import GEPStrategy
 from gep_fed.mechanisms.mechanism import ClippedSums
 
 
 @pytest.fixture(scope="module")
 def digits():
-    return load_task("digits", num_public=200)
+    return DigitsTask(TaskSettings(num_public=200))
 
 
 def make_server(tmp_path, task, **overrides):
@@ -39,7 +39,7 @@ def make_server(tmp_path, task, **overrides):
     fed = FederationConfig(**settings)
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, task, run, total_examples=len(task.train))
+    return FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +94,7 @@ def test_duplicate_and_implausible_replies_are_rejected_and_the_round_goes_on(tm
 def test_plausibility_bound_allows_honest_sums(tmp_path, digits):
     server = make_server(tmp_path, digits)
     server.plan_round(1)
-    expected = 0.2 * len(digits.train)
+    expected = 0.2 * len(digits.train_dataset())
     honest = ClippedSums(
         torch.full((server.subspace.num_basis,), 0.0),
         torch.ones(server.layout.size) * 0.2 * expected / server.layout.size**0.5,

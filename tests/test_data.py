@@ -12,13 +12,14 @@ from gep_fed.data.datasets import (
     load_kmnist,
     load_medmnist,
     load_mnist,
+    load_site_file,
     mnist_split,
     read_idx,
     sample_photo_patches,
 )
 from gep_fed.data.partition import partition_indices
-from gep_fed.data.tasks import load_task
-from gep_fed.federation.site import load_site_file
+from gep_fed.data.task import TaskSettings
+from gep_fed.data.tasks import DigitsTask
 
 
 def test_mnist_idx_files_load_with_the_documented_class_counts():
@@ -122,8 +123,9 @@ def test_bundled_default_data_needs_no_download():
     assert digits.images.shape == (1797, 8, 8) and digits.num_classes == 10
     patches = sample_photo_patches(50, 8, seed=1)
     assert patches.shape == (50, 8, 8) and patches.std() > 5
-    task = load_task("digits", num_public=100)
-    assert len(task.train) + len(task.test) == 1797 and task.public.shape == (100, 8, 8)
+    task = DigitsTask(TaskSettings(num_public=100))
+    assert len(task.train_dataset()) + len(task.eval_dataset()) == 1797
+    assert len(task.public_dataset()) == 100 and task.public_dataset()[0][0].shape == (1, 8, 8)
 
 
 def label_skew(labels, parts):

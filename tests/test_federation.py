@@ -3,12 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Subset
 
 from gep_fed import PoissonSampler, per_example_gradients
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.config import FederationConfig
 from gep_fed.data.partition import partition_indices
-from gep_fed.data.tasks import load_task
+from gep_fed.data.task import TaskSettings, stack_examples
+from gep_fed.data.tasks import DigitsTask
 from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
@@ -21,7 +23,7 @@ TRUSTING = SitePolicy(None, 1e-5, accepted_modes=("client", "central"), allow_no
 
 @pytest.fixture(scope="module")
 def digits():
-    return load_task("digits", num_public=300)
+    return DigitsTask(TaskSettings(num_public=300))
 
 
 def make_server(tmp_path, task, **overrides):
@@ -30,7 +32,7 @@ def make_server(tmp_path, task, **overrides):
     fed = FederationConfig(**settings)
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, task, run, total_examples=len(task.train))
+    return FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
 
 
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
@@ -46,16 +48,16 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
         server_lr=0.5,
     )
     plan = server.plan_round(1)
-    spec = server.model_spec
-    parts = partition_indices(digits.train.labels, 3, "iid", seed=0)
+    pooled = digits.train_dataset()
+    parts = partition_indices(pooled.targets(), 3, "iid", seed=0)
     sites, union_x, union_y = [], [], []
     for i, part in enumerate(parts):
-        x, y = digits.tensors(digits.train.subset(part))
+        data = Subset(pooled, part.tolist())
+        x, y = stack_examples(data)
         site = Site(
             f"s{i}",
-            spec.build(),
-            x,
-            y,
+            digits.build_model(),
+            data,
             TRUSTING,
             ledger=PrivacyLedger(1e-5),
             sampler_generator=torch.Generator().manual_seed(100 + i),
@@ -73,7 +75,7 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
     )
     mech = server.mechanism
     single = mech.reconstruct(
-        mech.clipped_sums(grads, server.subspace), server.subspace, 0.2 * len(digits.train)
+        mech.clipped_sums(grads, server.subspace), server.subspace, 0.2 * len(pooled)
     )
     server.apply_central(1, sums)
     after = server.layout.flatten_params(server.model)
@@ -83,9 +85,9 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
 def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, digits):
     server = make_server(tmp_path, digits, mode="client", noise_multiplier=1.0, local_steps=3)
     plan = server.plan_round(1)
-    x, y = digits.tensors(digits.train)
     ledger = PrivacyLedger(1e-5, budget_epsilon=0.5, owner="s", path=tmp_path / "site.json")
-    site = Site("s", server.model_spec.build(), x, y, SitePolicy(0.5, 1e-5), ledger=ledger)
+    data = digits.train_dataset()
+    site = Site("s", digits.build_model(), data, SitePolicy(0.5, 1e-5), ledger=ledger)
     site.load_state(server.model.state_dict())
     weights = [p.clone() for p in site.model.parameters()]
     with pytest.raises(RoundRefused, match="over budget"):
@@ -97,8 +99,8 @@ def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, d
 def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, digits):
     server = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
     plan = server.plan_round(1)
-    x, y = digits.tensors(digits.train)
-    site = Site("s", server.model_spec.build(), x, y, TRUSTING, ledger=PrivacyLedger(1e-5))
+    data = digits.train_dataset()
+    site = Site("s", digits.build_model(), data, TRUSTING, ledger=PrivacyLedger(1e-5))
     site.load_state(server.model.state_dict())
     server.apply_central(1, [site.central_sums(server.subspace, plan.config)])
     # simulate a crash after the checkpoint but before the ledger file was rewritten

@@ -19,7 +19,8 @@ import gep_fed.flower.clientapp as client_app
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
 from gep_fed.config import FederationConfig
 from gep_fed.data.datasets import load_digits
-from gep_fed.data.tasks import load_task
+from gep_fed.data.task import ArrayImageDataset, TaskSettings, stack_examples
+from gep_fed.data.tasks import DigitsTask
 from gep_fed.federation import wire
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
@@ -44,7 +45,7 @@ def _flower_task_identity():
 
 @pytest.fixture(scope="module")
 def digits():
-    return load_task("digits", num_public=200)
+    return DigitsTask(TaskSettings(num_public=200))
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def make_server(tmp_path, task, **settings) -> FederationServer:
     fed = FederationConfig(**{**base, **settings})
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, task, run, total_examples=len(task.train))
+    return FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
 
 
 def round_message(server, rnd, rc_changes=None, record_changes=None, state=None, basis=None):
@@ -203,13 +204,12 @@ def test_a_model_crafted_to_overflow_on_chosen_examples_learns_nothing_from_erro
     state[out_w][:, :2] = 3e38
     # the attack is real: some of the site's examples (not all) now have non-finite gradients
     site_x = load_digits().subset(np.arange(400))
-    model = server.model_spec.build()
+    model = digits.build_model()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     grads = per_example_gradients(
         model,
         torch.nn.functional.cross_entropy,
-        server.model_spec.tensor(site_x.images),
-        torch.from_numpy(site_x.labels),
+        *stack_examples(ArrayImageDataset(site_x.images, site_x.labels, 0.5, 0.5)),
         server.layout,
     )
     overflowing = (~torch.isfinite(grads).all(dim=1)).sum()

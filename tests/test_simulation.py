@@ -17,7 +17,6 @@ from dp_accounting import rdp
 from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
 from gep_fed.config import FederationConfig
-from gep_fed.data.tasks import load_task
 from gep_fed.federation import wire
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.mechanism import GEP
@@ -39,8 +38,7 @@ def fresh_epsilon(sigma_accounted: float, q: float, steps: int, delta: float) ->
 
 def initial_weights(fed: FederationConfig) -> torch.Tensor:
     torch.manual_seed(fed.seed)
-    task = load_task(fed.task, num_public=fed.num_public, seed=fed.seed)
-    model = task.model_spec(fed.model_kind).build()
+    model = fed.make_task().build_model()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

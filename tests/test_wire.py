@@ -82,7 +82,6 @@ def round_config() -> wire.RoundConfig:
         basis_id=0,
         basis_dtype="float16",
         layout=json.dumps(LAYOUT.to_dict()),
-        model_spec="{}",
     )
 
 

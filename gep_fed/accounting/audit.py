@@ -320,9 +320,12 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     temporary folder when None)."""
     import tempfile
 
+    from torch.utils.data import Subset
+
     from gep_fed.accounting.ledger import PrivacyLedger
     from gep_fed.config import FederationConfig
-    from gep_fed.data.tasks import load_task
+    from gep_fed.data.task import TaskSettings, stack_examples
+    from gep_fed.data.tasks import DigitsTask
     from gep_fed.federation.policy import SitePolicy
     from gep_fed.federation.rundir import RunDirectory
     from gep_fed.federation.server import FederationServer
@@ -332,8 +335,9 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     from gep_fed.mechanisms.step import GEPStep
 
     s = setup
-    task = load_task("digits", num_public=300, seed=s.seed)
-    x, y = (t[: s.examples] for t in task.tensors(task.train))
+    task = DigitsTask(TaskSettings(model="mlp", num_public=300, seed=s.seed))
+    private = Subset(task.train_dataset(), range(s.examples))
+    x, y = stack_examples(private)
     if s.mechanism == "langevin":
         return _audit_langevin(s, x, y)
     sigma = calibrate_noise_multiplier(s.epsilon, s.delta, s.sample_rate, s.steps, s.mechanism)
@@ -359,7 +363,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     )
     contract = fed.contract(sigma)
     torch.manual_seed(s.seed)
-    model = task.model_spec("mlp").build()
+    model = task.build_model()
     size = sum(p.numel() for p in model.parameters())
     seeded = torch.Generator().manual_seed(s.seed)
     canaries = GradientCanaries(s.canaries, size, contract.build_mechanism(), generator=seeded)
@@ -367,7 +371,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     if s.mode == "single":
         step = GEPStep(
             model,
-            task.public_tensor(),
+            stack_examples(task.public_dataset())[0],
             replace(fed.anchor_config(contract), basis_refresh=10**6),
             dataset_size=s.examples,
             noise=NoiseSource(s.seed + 1),
@@ -384,9 +388,8 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         policy = SitePolicy(s.epsilon, s.delta, accepted_modes=("client", "central"))
         site = Site(
             "audited-site",
-            task.model_spec("mlp").build(),
-            x,
-            y,
+            task.build_model(),
+            private,
             policy,
             ledger=PrivacyLedger(s.delta, s.epsilon, "audited-site"),
             noise=NoiseSource(s.seed + 3),

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 from gep_fed.config import FederationConfig
-from gep_fed.data.tasks import load_task
+from gep_fed.data.metrics import predict
+from gep_fed.data.task import stack_examples
 from gep_fed.federation.server import noise_multiplier_for
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_private
+from gep_fed.mechanisms.training import OptimizerConfig, train_private
 
 MECHANISMS = ("gp", "bgep", "gep")
 MODES = ("central", "client")
@@ -68,31 +69,31 @@ def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
     fed = replace(
         base, mode="central", mechanism=mechanism, target_epsilon=eps, noise_multiplier=None
     )
-    task = load_task(fed.task, fed.data_dir, fed.num_public, fed.medmnist_path or None, fed.seed)
+    task = fed.make_task()
     torch.manual_seed(fed.seed)
-    model = task.model_spec(fed.model_kind).build()
+    model = task.build_model()
     sigma = noise_multiplier_for(fed)
-    x, y = task.tensors(task.train)
-    test = task.tensors(task.test)
+    x, y = stack_examples(task.train_dataset())
+    test = stack_examples(task.eval_dataset())
     gen = torch.Generator().manual_seed(fed.seed)
     began = time.perf_counter()
     result = train_private(
         model,
         x,
         y,
-        task.public_tensor(),
+        stack_examples(task.public_dataset())[0],
         replace(fed.anchor_config(fed.contract(sigma)), basis_refresh=fed.basis_refresh),
         fed.rounds,
         OptimizerConfig(lr=fed.server_lr, momentum=fed.server_momentum),
         delta=fed.delta,
         generator=gen,
         noise=NoiseSource(fed.noise_seed),
-        evaluate_fn=lambda m: evaluate(m, *test),
+        evaluate_fn=lambda m: task.metrics(*predict(m, test)),
     )
-    final = evaluate(model, *test)
+    final = task.metrics(*predict(model, test))
     return {
         "test_accuracy": final["accuracy"],
-        "test_auc": final.get("auc"),
+        "test_auc": final.get("auroc"),
         "epsilon": result.epsilon,
         "seconds": time.perf_counter() - began,
     }
@@ -126,7 +127,7 @@ def run_comparison(
                 "setup": label,
                 "epsilon": eps,
                 "test_accuracy": last.get("test_accuracy"),
-                "test_auc": last.get("test_auc"),
+                "test_auc": last.get("test_auroc"),
                 "epsilon_spent": last.get("epsilon"),
                 "rounds": len(res.metrics),
                 "seconds": res.seconds,

@@ -220,3 +220,32 @@ def validation_split(
     perm = np.random.default_rng(seed).permutation(len(dataset))
     cut = round(len(dataset) * (1 - fraction))
     return dataset.subset(perm[:cut]), dataset.subset(perm[cut:])
+
+
+def load_site_file(path: str | Path) -> ArrayDataset:
+    """A site's data file: ``.npz`` with ``images`` and ``labels``, or MedMNIST layout."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            keys = set(npz.files)
+            if {"images", "labels"} <= keys:
+                images, labels = npz["images"], npz["labels"]
+            elif {"train_images", "train_labels"} <= keys:
+                images, labels = npz["train_images"], npz["train_labels"]
+            else:
+                raise DataError(
+                    f"{path} has arrays {sorted(keys)}; expected 'images' and 'labels' (or a "
+                    "MedMNIST file with 'train_images' and 'train_labels')"
+                )
+    except FileNotFoundError as err:
+        raise DataError(f"site data file {path} does not exist") from err
+    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        raise DataError(f"cannot read site data file {path}: {err}") from err
+    if images.dtype != np.uint8 or images.ndim not in (3, 4):
+        raise DataError(
+            f"{path}: images must be uint8 (N, H, W[, C]), got {images.dtype}{images.shape}"
+        )
+    labels = labels.reshape(-1)
+    if not np.issubdtype(labels.dtype, np.integer) or (labels < 0).any():
+        raise DataError(f"{path}: labels must be non-negative integers")
+    return ArrayDataset(images, labels.astype(np.int64))

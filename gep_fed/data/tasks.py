@@ -1,22 +1,28 @@
-"""Tasks: a private data set, the server's evaluation set, public anchors and a model.
+"""The built-in tasks: examples of the task interface (``gep_fed.data.task.Task``).
 
 - ``digits`` (default, offline): scikit-learn's bundled handwritten digits (8x8); anchors are
   random patches of scikit-learn's bundled photographs. Nothing to download.
 - ``mnist``: the fixed split of ``<data-dir>/mnist`` (8,000 private, 2,000 server test);
   anchors from ``<data-dir>/kmnist``.
-- ``pneumonia`` (or any MedMNIST file via ``medmnist-path``): train split private, test split
-  for the server; anchors from KMNIST when present, else photograph patches.
+- ``pneumonia`` (or any MedMNIST file via the ``medmnist-path`` option, task ``medmnist``):
+  train split private, test split for the server; anchors from KMNIST when present, else
+  photograph patches.
+- ``cifar10``: CIFAR-10 binary batches 1-2 (20,000 private images) and batch 5 (server test),
+  read lazily from ``<data-dir>/cifar10``; anchors are Tiny-ImageNet's 32x32 validation
+  images; ResNet20 with GroupNorm (the GEP paper's CIFAR model).
+
+Each reads a deployed site's ``.npz`` file (``images``, ``labels``, or a MedMNIST file) with
+``site_dataset``. The model is chosen by the run config's ``model`` ("auto": an MLP for
+digits, the MNIST CNN otherwise; "cnn", "mlp", "linear").
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from gep_fed.data.datasets import (
     MNIST_MEAN,
@@ -27,99 +33,183 @@ from gep_fed.data.datasets import (
     load_kmnist,
     load_medmnist,
     load_mnist,
+    load_site_file,
     mnist_split,
     sample_photo_patches,
-    to_tensor,
 )
-from gep_fed.data.models import MLP, MnistCNN
+from gep_fed.data.formats import Cifar10Dataset, ImageTransform, NpzDataset
+from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
+from gep_fed.data.task import ArrayImageDataset, Task, TaskSettings
 
-TASKS = ("digits", "mnist", "pneumonia", "medmnist")
-MODELS = ("cnn", "mlp", "linear")
+ARCHITECTURES = ("auto", "cnn", "mlp", "linear")
 # Normalisation constants are declared, never measured on private data.
 GENERIC_MEAN, GENERIC_STD = 0.5, 0.5
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture and input preprocessing, sent to every site with each round."""
+class ArrayTask(Task):
+    """A built-in task whose data fit in memory as ``uint8`` arrays (the subclasses load
+    them). ``image_shape`` is ``(H, W)`` or ``(H, W, C)``."""
 
-    kind: str
-    image_shape: tuple[int, ...]
-    num_classes: int
-    mean: float
-    std: float
+    default_model = "cnn"
 
-    def __post_init__(self) -> None:
-        if self.kind not in MODELS:
-            raise ValueError(f"model must be one of {list(MODELS)}, got {self.kind!r}")
-
-    @property
-    def channels(self) -> int:
-        return self.image_shape[2] if len(self.image_shape) == 3 else 1
-
-    def build(self) -> nn.Module:
-        if self.kind in ("mlp", "linear"):
-            hidden = (64,) if self.kind == "mlp" else ()
-            return MLP(int(np.prod(self.image_shape)), self.num_classes, hidden=hidden)
-        return MnistCNN(self.channels, self.num_classes, image_size=self.image_shape[0])
-
-    def to_json(self) -> str:
-        return json.dumps({**asdict(self), "image_shape": list(self.image_shape)})
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelSpec:
-        try:
-            data = json.loads(text)
-            data["image_shape"] = tuple(int(d) for d in data["image_shape"])
-            return cls(**data)
-        except (ValueError, TypeError, KeyError) as err:
-            raise ValueError(f"malformed model spec {text!r}: {err}") from err
-
-    def check_images(self, images: np.ndarray, source: str) -> None:
-        """Raise ``DataError`` naming ``source`` if its images do not fit this model."""
-        if tuple(images.shape[1:]) != self.image_shape:
-            raise DataError(
-                f"{source}: images have shape {tuple(images.shape[1:])}, the federation's "
-                f"model expects {self.image_shape}"
+    def __init__(
+        self,
+        settings: TaskSettings,
+        train: ArrayDataset,
+        test: ArrayDataset,
+        public: np.ndarray,
+        mean: float,
+        std: float,
+    ) -> None:
+        super().__init__(settings)
+        if settings.model not in ARCHITECTURES:
+            raise ValueError(
+                f"model must be one of {list(ARCHITECTURES)} for task "
+                f"{type(self).__name__}, got {settings.model!r}"
             )
-
-    def tensor(self, images: np.ndarray) -> torch.Tensor:
-        return to_tensor(images, self.mean, self.std)
-
-
-@dataclass(frozen=True)
-class TaskData:
-    """Everything a simulation needs. ``public`` has no labels: anchors get random ones."""
-
-    name: str
-    train: ArrayDataset
-    test: ArrayDataset
-    public: np.ndarray
-    mean: float
-    std: float
+        self.train = (train.images, train.labels)
+        self.test = (test.images, test.labels)
+        self.mean, self.std = mean, std
+        self.image_shape = tuple(train.images.shape[1:])
+        if len(self.image_shape) == 3 and public.ndim == 3:  # RGB task, grey anchors
+            public = np.repeat(public[..., None], self.image_shape[2], axis=3)
+        self.public = public
+        self.num_classes = max(train.num_classes, test.num_classes)
 
     @property
-    def num_classes(self) -> int:
-        return max(self.train.num_classes, self.test.num_classes)
+    def architecture(self) -> str:
+        model = self.settings.model
+        return self.default_model if model == "auto" else model
 
-    @property
-    def image_shape(self) -> tuple[int, ...]:
-        return tuple(self.train.images.shape[1:])
+    def build_model(self) -> nn.Module:
+        channels = self.image_shape[2] if len(self.image_shape) == 3 else 1
+        if self.architecture == "cnn":
+            return MnistCNN(channels, self.num_classes, image_size=self.image_shape[0])
+        hidden = (64,) if self.architecture == "mlp" else ()
+        return MLP(int(np.prod(self.image_shape)), self.num_classes, hidden=hidden)
 
-    def tensors(self, ds: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
-        return to_tensor(ds.images, self.mean, self.std), torch.from_numpy(ds.labels)
+    def _dataset(self, images: np.ndarray, labels: np.ndarray) -> ArrayImageDataset:
+        return ArrayImageDataset(images, labels, self.mean, self.std)
 
-    def public_tensor(self) -> torch.Tensor:
-        images = self.public
-        if len(self.image_shape) == 3 and images.ndim == 3:  # RGB task, grey anchors
-            images = np.repeat(images[..., None], self.image_shape[2], axis=3)
-        return to_tensor(images, self.mean, self.std)
+    def train_dataset(self) -> Dataset:
+        return self._dataset(*self.train)
 
-    def model_spec(self, kind: str = "cnn") -> ModelSpec:
-        return ModelSpec(kind, self.image_shape, self.num_classes, self.mean, self.std)
+    def eval_dataset(self) -> Dataset:
+        return self._dataset(*self.test)
+
+    def public_dataset(self) -> Dataset:
+        return self._dataset(self.public, np.zeros(len(self.public), dtype=np.int64))
+
+    def site_dataset(self, data_path: str) -> Dataset:
+        site = load_site_file(data_path)
+        if tuple(site.images.shape[1:]) != self.image_shape:
+            raise DataError(
+                f"{data_path}: images have shape {tuple(site.images.shape[1:])}, task "
+                f"{type(self).__name__} expects {self.image_shape}"
+            )
+        if site.labels.max(initial=0) >= self.num_classes:
+            raise DataError(
+                f"{data_path}: labels reach {int(site.labels.max())}, task "
+                f"{type(self).__name__} has {self.num_classes} classes"
+            )
+        return self._dataset(site.images, site.labels)
 
 
-def _resize_public(images: np.ndarray, size: int) -> np.ndarray:
+class DigitsTask(ArrayTask):
+    """scikit-learn's digits: 1,437 private (split seeded) and 360 server test images; 2,000
+    photograph patches as anchors."""
+
+    default_model = "mlp"
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        settings = settings or TaskSettings()
+        ds = load_digits()
+        perm = np.random.default_rng(settings.seed).permutation(len(ds))
+        cut = int(0.8 * len(ds))
+        public = sample_photo_patches(settings.num_public, 8, seed=settings.seed)
+        train, test = ds.subset(perm[:cut]), ds.subset(perm[cut:])
+        super().__init__(settings, train, test, public, GENERIC_MEAN, GENERIC_STD)
+
+
+class MnistTask(ArrayTask):
+    """MNIST's fixed split (8,000 private, 2,000 server test) with KMNIST anchors."""
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        settings = settings or TaskSettings()
+        data_dir = Path(settings.data_dir)
+        train, test = mnist_split(load_mnist(data_dir / "mnist"))
+        kmnist = load_kmnist(data_dir / "kmnist")
+        rng = np.random.default_rng(settings.seed)
+        public = kmnist.images[rng.permutation(len(kmnist))[: settings.num_public]]
+        super().__init__(settings, train, test, public, MNIST_MEAN, MNIST_STD)
+
+
+class MedMnistTask(ArrayTask):
+    """A single-label MedMNIST file (option ``medmnist-path``; default PneumoniaMNIST in the
+    data folder): train split private, test split for the server, KMNIST or photograph-patch
+    anchors resized to the images."""
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        settings = settings or TaskSettings()
+        data_dir = Path(settings.data_dir)
+        path = settings.options.get("medmnist-path") or data_dir / "medmnist" / "pneumoniamnist.npz"
+        splits = load_medmnist(path)
+        size = splits["train"].images.shape[1]
+        rng = np.random.default_rng(settings.seed)
+        try:
+            kmnist = load_kmnist(data_dir / "kmnist")
+            chosen = kmnist.images[rng.permutation(len(kmnist))[: settings.num_public]]
+            public = _resize(chosen, size)
+        except DataError:
+            public = sample_photo_patches(settings.num_public, size, seed=settings.seed)
+        super().__init__(
+            settings, splits["train"], splits["test"], public, GENERIC_MEAN, GENERIC_STD
+        )
+
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)  # the commonly published CIFAR-10 constants, declared
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+class Cifar10Task(Task):
+    """CIFAR-10 (batches 1-2 private, batch 5 for the server) with Tiny-ImageNet anchors and
+    ResNet20-GN ("auto"; "cnn" for the small MNIST-style CNN on 32x32x3)."""
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        super().__init__(settings)
+        if self.settings.model not in ("auto", "resnet20", "cnn"):
+            raise ValueError(
+                f"model must be auto (resnet20), resnet20 or cnn for task cifar10, got "
+                f"{self.settings.model!r}"
+            )
+        self.transform = ImageTransform(mean=CIFAR_MEAN, std=CIFAR_STD)
+        root = Path(self.settings.data_dir) / "cifar10" / "cifar-10-batches-bin"
+        self.batches = {b: root / f"data_batch_{b}.bin" for b in (1, 2, 5)}
+
+    def build_model(self) -> nn.Module:
+        if self.settings.model == "cnn":
+            return MnistCNN(3, 10, image_size=32)
+        return resnet20_gn(num_classes=10)
+
+    def train_dataset(self) -> Dataset:
+        return Cifar10Dataset([self.batches[1], self.batches[2]], self.transform)
+
+    def eval_dataset(self) -> Dataset:
+        return Cifar10Dataset([self.batches[5]], self.transform)
+
+    def site_dataset(self, data_path: str) -> Dataset:
+        path = Path(data_path)
+        files = sorted(path.glob("*.bin")) if path.is_dir() else [path]
+        return Cifar10Dataset(files, self.transform)
+
+    def public_dataset(self) -> Dataset:
+        path = Path(self.settings.data_dir) / "tinyimagenet" / "tinyimagenet_val_32x32.npz"
+        return NpzDataset(path, self.transform, images_key="x", labels_key="y", num_classes=200)
+
+
+def _resize(images: np.ndarray, size: int) -> np.ndarray:
+    import torch
+
     if images.shape[1] == size:
         return images
     x = torch.from_numpy(images).float().unsqueeze(1)
@@ -127,39 +217,10 @@ def _resize_public(images: np.ndarray, size: int) -> np.ndarray:
     return out.squeeze(1).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def load_task(
-    name: str = "digits",
-    data_dir: str | Path = "../shared/data",
-    num_public: int = 2000,
-    medmnist_path: str | Path | None = None,
-    seed: int = 0,
-) -> TaskData:
-    """Load a task's data. ``seed`` fixes the digits split and the public sample (public
-    randomness only)."""
-    data_dir = Path(data_dir)
-    rng = np.random.default_rng(seed)
-    if name == "digits":
-        ds = load_digits()
-        perm = rng.permutation(len(ds))
-        cut = int(0.8 * len(ds))
-        public = sample_photo_patches(num_public, 8, seed=seed)
-        train, test = ds.subset(perm[:cut]), ds.subset(perm[cut:])
-        return TaskData(name, train, test, public, GENERIC_MEAN, GENERIC_STD)
-    if name == "mnist":
-        train, test = mnist_split(load_mnist(data_dir / "mnist"))
-        kmnist = load_kmnist(data_dir / "kmnist")
-        public = kmnist.images[rng.permutation(len(kmnist))[:num_public]]
-        return TaskData(name, train, test, public, MNIST_MEAN, MNIST_STD)
-    if name in ("pneumonia", "medmnist"):
-        path = (
-            Path(medmnist_path) if medmnist_path else data_dir / "medmnist" / "pneumoniamnist.npz"
-        )
-        splits = load_medmnist(path)
-        size = splits["train"].images.shape[1]
-        try:
-            kmnist = load_kmnist(data_dir / "kmnist")
-            public = _resize_public(kmnist.images[rng.permutation(len(kmnist))[:num_public]], size)
-        except DataError:
-            public = sample_photo_patches(num_public, size, seed=seed)
-        return TaskData(name, splits["train"], splits["test"], public, GENERIC_MEAN, GENERIC_STD)
-    raise ValueError(f"task must be one of {list(TASKS)}, got {name!r}")
+BUILT_IN_TASKS: dict[str, type[Task]] = {
+    "digits": DigitsTask,
+    "mnist": MnistTask,
+    "pneumonia": MedMnistTask,
+    "medmnist": MedMnistTask,
+    "cifar10": Cifar10Task,
+}

@@ -45,6 +45,7 @@ NODE_CONFIG_KEYS = {
     "release-metrics": "let a training loss leave the site, outside the guarantee (false)",
     "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
     "device": "auto (cuda when available), cpu or cuda",
+    "num-workers": "DataLoader worker processes that decode the sampled examples (0)",
 }
 # Keys only a simulated site's settings may hold (a deployed site's noise is never seeded).
 SIMULATION_KEYS = {
@@ -123,6 +124,7 @@ class SiteConfig:
         new_ledger: create the ledger (and key) if missing; otherwise a missing ledger stops
             the site, so a deleted file can never reset its accounting.
         device: "auto" (cuda when available), "cpu" or "cuda".
+        num_workers: ``DataLoader`` worker processes decoding each sample (0: in process).
     """
 
     site_id: str
@@ -134,6 +136,7 @@ class SiteConfig:
     ledger_key_path: str = ""
     new_ledger: bool = False
     device: str = "auto"
+    num_workers: int = 0
 
     @property
     def simulated(self) -> bool:
@@ -202,6 +205,7 @@ class SiteConfig:
             # A simulated site's ledger lives in its run: each simulation starts it afresh.
             new_ledger=get.flag("new-ledger") or simulated,
             device=device,
+            num_workers=get.integer("num-workers") or 0,
         )
 
 

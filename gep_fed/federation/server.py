@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.config import FederationConfig
-from gep_fed.data.tasks import TaskData
+from gep_fed.data.metrics import predict
+from gep_fed.data.task import Task, stack_examples
 from gep_fed.federation.rundir import CHECKPOINT, MODEL, RunDirectory
 from gep_fed.federation.site import resolve_device
 from gep_fed.federation.wire import (
@@ -36,11 +36,11 @@ from gep_fed.federation.wire import (
 )
 from gep_fed.mechanisms.anchors import compute_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.langevin import check_linear
 from gep_fed.mechanisms.mechanism import ClippedSums, calibrate_noise_multiplier
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.step import write_gradient
 from gep_fed.mechanisms.subspace import AnchorSubspace
-from gep_fed.mechanisms.training import evaluate
 
 if TYPE_CHECKING:  # the audit builds on this module
     from gep_fed.accounting.audit import GradientCanaries
@@ -67,25 +67,39 @@ def noise_multiplier_for(cfg: FederationConfig) -> float:
     )
 
 
+def _public_sample(
+    task: Task, count: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``count`` public examples (inputs and their labels), chosen with public
+    randomness; the anchor subspace draws from these."""
+    public = task.public_dataset()
+    pick = torch.randperm(len(public), generator=generator)[:count].sort().values
+    return stack_examples(public, pick.tolist())
+
+
 class FederationServer:
     """Holds the global model and everything the server does between messages.
 
     Args:
         cfg: the run's configuration.
-        task: the task's data; the server uses only its public anchors and test set.
+        task: the task: the server builds its model and reads only its public anchors and its
+            evaluation data.
         run: the run directory (ledger, metrics, checkpoints).
-        total_examples: N, the declared union size (central mode normalisation).
+        total_examples: N, the declared union size (central mode normalisation; None in
+            client-side mode, where each site divides by its own size).
     """
 
     def __init__(
-        self, cfg: FederationConfig, task: TaskData, run: RunDirectory, total_examples: int
+        self, cfg: FederationConfig, task: Task, run: RunDirectory, total_examples: int | None
     ) -> None:
         self.cfg = cfg
         self.run = run
+        self.task = task
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)  # the initial model (public)
-        self.model_spec = task.model_spec(cfg.model_kind)
-        self.model = self.model_spec.build().to(self.device)
+        self.model = task.build_model().to(self.device)
+        if cfg.mechanism == "langevin":
+            check_linear(self.model)  # before any round: its guarantee needs a convex loss
         self.layout = ParameterLayout.from_model(self.model)
         self.total_examples = total_examples
         # Langevin sites add their own noise from beta0 and account per step themselves.
@@ -95,9 +109,9 @@ class FederationServer:
         self.contract = cfg.contract(self.sigma)
         self.mechanism = self.contract.build_mechanism()
         self.gep = None if self.langevin else cfg.anchor_config(self.contract)
-        self.public = task.public_tensor().to(self.device)
-        self.test = tuple(t.to(self.device) for t in task.tensors(task.test))
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
+        self.public = _public_sample(task, cfg.num_public, self.generator)
+        self.eval_data = task.eval_dataset()
         self.noise = NoiseSource(cfg.noise_seed)
         owner = "federation" if cfg.mode == "central" else "each-site (expected)"
         # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
@@ -145,10 +159,12 @@ class FederationServer:
         if self.mechanism.uses_subspace and basis_id != self.basis_id:
             result = compute_anchor_subspace(
                 self.model,
-                self.public,
+                self.public[0].to(self.device),
                 self.layout,
                 self.gep,
-                loss_fn=F.cross_entropy,
+                loss_fn=self.task.loss,
+                public_labels=self.public[1].to(self.device),
+                multilabel=self.task.kind != "multiclass",
                 generator=self.generator,
                 measure=True,
             )
@@ -171,7 +187,6 @@ class FederationServer:
             basis_id=self.basis_id if self.mechanism.uses_subspace else -1,
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
-            model_spec=self.model_spec.to_json(),
         )
         return RoundPlan(
             rc,
@@ -242,7 +257,8 @@ class FederationServer:
         self._commit(round_)
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, *self.test)
+        """The task's metrics on the server's evaluation data."""
+        return self.task.metrics(*predict(self.model, self.eval_data, device=self.device))
 
     # -- persistence ---------------------------------------------------------------------
 

@@ -7,35 +7,37 @@ computed, so a failure can over-count but never under-count.
 Central mode (only by the site's opt-in): one Poisson sample, clipped sums, *no noise*; the
 trusted server adds it. The site records the release as noised by a trusted server.
 Client-side mode: ``local_steps`` private steps with the site's own noise.
+
+Data stay on disk until sampled: each step Poisson-samples indices, loads only those examples
+through a ``DataLoader`` over the sampled subset (worker processes, pinned memory and
+non-blocking copies when the site computes on CUDA), and computes per-example gradients in
+chunks of ``max_chunk`` examples, clipping and summing chunk by chunk.
 """
 
 from __future__ import annotations
 
-import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
-from gep_fed.config import ConfigError, FederationConfig, GEPConfig
-from gep_fed.data.datasets import ArrayDataset, DataError
+from gep_fed.config import ConfigError, GEPConfig
 from gep_fed.data.partition import partition_indices
-from gep_fed.data.tasks import load_task
+from gep_fed.data.task import Task, dataset_targets, stack_examples
 from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.wire import RoundConfig, RoundRefused
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
 from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.per_example import per_example_gradients, validate_model
+from gep_fed.mechanisms.per_example import LossFn, validate_model
 from gep_fed.mechanisms.sampling import PoissonSampler
-from gep_fed.mechanisms.step import GEPStep
+from gep_fed.mechanisms.step import GEPStep, clipped_sums_of_batches
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
 if TYPE_CHECKING:  # the audit builds on this module
@@ -65,45 +67,77 @@ class Site:
     Args:
         site_id: recorded in the ledger.
         model: a model of the federation's architecture (its weights are overwritten).
-        inputs, targets: the site's private examples (never leave this object).
+        dataset: the site's private examples, read only as each Poisson sample takes them
+            (they never leave this object).
         policy: what the site accepts (modes, budget, noise); the site's own.
+        loss_fn: the task's loss (per example); cross-entropy by default.
         ledger: the site's own ledger, on the site's disk; every release is recorded in it.
         noise: the site's noise; cryptographically seeded unless the policy fixes a seed.
         sampler_generator: Poisson sampling randomness (None: seeded from the OS).
+        max_chunk: at most this many examples are loaded and differentiated at once.
+        num_workers: ``DataLoader`` worker processes that decode the sampled examples.
     """
 
     def __init__(
         self,
         site_id: str,
         model: nn.Module,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        dataset: Dataset,
         policy: SitePolicy,
         *,
+        loss_fn: LossFn = F.cross_entropy,
         device: torch.device | str = "cpu",
         ledger: PrivacyLedger | None = None,
         noise: NoiseSource | None = None,
         sampler_generator: torch.Generator | None = None,
         max_chunk: int = 128,
+        num_workers: int = 0,
     ) -> None:
         validate_model(model)
-        if len(inputs) == 0:
+        if len(dataset) == 0:
             raise ValueError(f"site {site_id} has no training examples")
         self.site_id = site_id
         self.policy = policy
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.inputs, self.targets = inputs.to(self.device), targets.to(self.device)
+        self.dataset, self.loss_fn = dataset, loss_fn
         self.ledger = ledger
         self.noise = noise if noise is not None else NoiseSource(policy.noise_seed)
         self.sampler_generator = sampler_generator
         self.max_chunk = max_chunk
+        self.num_workers = num_workers
         # Audit canaries (accounting.audit): gradients that join this site's samples. Audits only.
         self.canaries: GradientCanaries | None = None
 
     @property
     def num_examples(self) -> int:
-        return len(self.inputs)
+        return len(self.dataset)
+
+    def batches(self, indices: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The sampled examples, loaded ``max_chunk`` at a time and moved to the device."""
+        if len(indices) == 0:
+            return iter(())
+        cuda = self.device.type == "cuda"
+        loader = DataLoader(
+            Subset(self.dataset, indices.tolist()),
+            batch_size=self.max_chunk,
+            num_workers=self.num_workers,
+            pin_memory=cuda,
+        )
+        return (
+            (x.to(self.device, non_blocking=cuda), y.to(self.device, non_blocking=cuda))
+            for x, y in loader
+        )
+
+    @torch.no_grad()
+    def training_loss(self) -> float:
+        """The mean loss over all the site's data: NOT private (released only when the site's
+        own policy allows it, labelled as outside the guarantee)."""
+        total, count = 0.0, 0
+        for x, y in self.batches(torch.arange(self.num_examples)):
+            total += float(self.loss_fn(self.model(x), y)) * len(x)
+            count += len(x)
+        return total / count
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
@@ -146,22 +180,20 @@ class Site:
         """Clipped sums of one Poisson sample at the current weights: unnoised, for a server
         the site trusts. Recorded in the site's ledger as noised by that server."""
         self.ledger.record(*self.round_events(rc))
-        mechanism = rc.privacy.build_mechanism()
-        layout = rc.parameter_layout()
-        idx = self._sample(rc.privacy.sample_rate).to(self.device)
-        grads = per_example_gradients(
-            self.model,
-            F.cross_entropy,
-            self.inputs[idx],
-            self.targets[idx],
-            layout,
-            self.max_chunk,
-        )
         sub = subspace.to(self.device) if subspace is not None else None
+        extra = None
         if self.canaries is not None:
-            rows = self.canaries.sample_rows(sub, rc.privacy.sample_rate)
-            grads = torch.cat([grads, rows.to(grads)])
-        return mechanism.clipped_sums(grads, sub)
+            extra = self.canaries.sample_rows(sub, rc.privacy.sample_rate)
+        return clipped_sums_of_batches(
+            self.model,
+            self.loss_fn,
+            self.batches(self._sample(rc.privacy.sample_rate)),
+            rc.parameter_layout(),
+            rc.privacy.build_mechanism(),
+            sub,
+            self.max_chunk,
+            extra,
+        )
 
     def local_update(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> torch.Tensor:
         """``rc.local_steps`` private steps from the current weights; returns the noisy
@@ -178,6 +210,7 @@ class Site:
             None,
             GEPConfig.from_contract(rc.privacy, max_chunk=self.max_chunk),
             dataset_size=self.num_examples,
+            loss_fn=self.loss_fn,
             noise=self.noise,
             ledger=self.ledger,
             party=self.site_id,
@@ -188,9 +221,8 @@ class Site:
             step.set_subspace(subspace)
         opt = torch.optim.SGD(self.model.parameters(), lr=rc.local_lr, momentum=rc.local_momentum)
         for _ in range(rc.local_steps):
-            idx = self._sample(rc.privacy.sample_rate).to(self.device)
             opt.zero_grad(set_to_none=True)
-            step(self.inputs[idx], self.targets[idx])
+            step.step(self.batches(self._sample(rc.privacy.sample_rate)))
             opt.step()
         return layout.flatten_params(self.model) - before
 
@@ -218,7 +250,11 @@ class Site:
         layout = rc.parameter_layout()
         before = layout.flatten_params(self.model).clone()
         trainer = self._langevin_trainer(rc)
-        trainer.fit(self.inputs, self.targets, first_step=_first_langevin_step(rc))
+        # Langevin runs on linear models over small feature sets: its data fit in memory.
+        inputs, targets = stack_examples(self.dataset)
+        trainer.fit(
+            inputs.to(self.device), targets.to(self.device), first_step=_first_langevin_step(rc)
+        )
         return layout.flatten_params(self.model) - before
 
 
@@ -227,47 +263,17 @@ def _first_langevin_step(rc: RoundConfig) -> int:
     return (rc.round - 1) * rc.local_steps + 1
 
 
-def load_site_data(site: SiteConfig, fed: FederationConfig) -> ArrayDataset:
-    """The site's private training examples: its partition (simulation) or its file."""
-    if site.partition_id is not None:
-        task = load_task(
-            fed.task, fed.data_dir, fed.num_public, fed.medmnist_path or None, fed.seed
+def site_dataset(
+    task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
+) -> Dataset:
+    """The site's private data: its own file (a deployed site, the path from its node
+    config), or its share of the task's pooled data (a simulated site)."""
+    if site.partition_id is None:
+        return task.site_dataset(site.data_path)
+    pooled = task.train_dataset()
+    parts = partition_indices(dataset_targets(pooled), num_sites, partition, alpha, seed)
+    if not (0 <= site.partition_id < len(parts)):
+        raise ConfigError(
+            f"partition-id {site.partition_id} is out of range for {len(parts)} sites"
         )
-        parts = partition_indices(
-            task.train.labels, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
-        )
-        if not (0 <= site.partition_id < len(parts)):
-            raise ConfigError(
-                f"partition-id {site.partition_id} is out of range for {len(parts)} sites"
-            )
-        return task.train.subset(parts[site.partition_id])
-    return load_site_file(site.data_path)
-
-
-def load_site_file(path: str | Path) -> ArrayDataset:
-    """A site's data file: ``.npz`` with ``images`` and ``labels``, or MedMNIST layout."""
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            keys = set(npz.files)
-            if {"images", "labels"} <= keys:
-                images, labels = npz["images"], npz["labels"]
-            elif {"train_images", "train_labels"} <= keys:
-                images, labels = npz["train_images"], npz["train_labels"]
-            else:
-                raise DataError(
-                    f"{path} has arrays {sorted(keys)}; expected 'images' and 'labels' (or a "
-                    "MedMNIST file with 'train_images' and 'train_labels')"
-                )
-    except FileNotFoundError as err:
-        raise DataError(f"site data file {path} does not exist") from err
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise DataError(f"cannot read site data file {path}: {err}") from err
-    if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        raise DataError(
-            f"{path}: images must be uint8 (N, H, W[, C]), got {images.dtype}{images.shape}"
-        )
-    labels = labels.reshape(-1)
-    if not np.issubdtype(labels.dtype, np.integer) or (labels < 0).any():
-        raise DataError(f"{path}: labels must be non-negative integers")
-    return ArrayDataset(images, labels.astype(np.int64))
+    return Subset(pooled, parts[site.partition_id].tolist())

@@ -25,7 +25,8 @@ from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
-PROTOCOL_VERSION = 2
+# 3: no model spec in the round config (the run's task builds the model at both ends).
+PROTOCOL_VERSION = 3
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -142,8 +143,8 @@ class RoundConfig:
         basis_id: which basis the site must use (-1: none); a site keeps the last one it
             received, so the server sends the basis only when ``basis_id`` changes.
         basis_dtype: "float32" or "float16" on the wire (the site uses what it received).
-        layout: the parameter layout as JSON (names, shapes, groups).
-        model_spec: the architecture and input normalisation as JSON (``ModelSpec``).
+        layout: the parameter layout as JSON (names, shapes, groups); the site checks its
+            own model (built by the run's task) against it.
     """
 
     round: int
@@ -155,7 +156,6 @@ class RoundConfig:
     basis_id: int
     basis_dtype: str
     layout: str
-    model_spec: str
     protocol: int = PROTOCOL_VERSION
 
     def to_record(self) -> dict:
@@ -201,7 +201,6 @@ class RoundConfig:
             raise WireError(sender, "basis_id", "does not match the mechanism")
         try:
             cfg.parameter_layout()
-            json.loads(cfg.model_spec)
         except (ValueError, KeyError, TypeError) as err:
             raise WireError(sender, "layout", f"cannot be decoded: {err}") from None
         return cfg
@@ -219,7 +218,6 @@ _ROUND_TYPES = {
     "basis_id": int,
     "basis_dtype": str,
     "layout": str,
-    "model_spec": str,
 }
 
 

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -30,10 +29,9 @@ from flwr.clientapp import ClientApp
 
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, read_ledger_key
 from gep_fed.config import ConfigError, FederationConfig
-from gep_fed.data.tasks import ModelSpec
 from gep_fed.federation import wire
 from gep_fed.federation.policy import SiteConfig
-from gep_fed.federation.site import Site, load_site_data, resolve_device
+from gep_fed.federation.site import Site, resolve_device, site_dataset
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
 log = logging.getLogger("gep_fed.federation.site")
@@ -57,17 +55,20 @@ def _site(
         cfg = SiteConfig.from_node_config(
             context.node_config, simulation, fed.run_directory(context.run_id)
         )
-        spec = ModelSpec.from_json(rc.model_spec)
-        data = load_site_data(cfg, fed)
-        spec.check_images(data.images, cfg.data_path or f"partition {cfg.partition_id}")
+        task = fed.make_task()
+        torch.manual_seed(fed.seed)  # the replica's initial weights are overwritten anyway
+        data = site_dataset(
+            task, cfg, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
+        )
         site = Site(
             cfg.site_id,
-            spec.build(),
-            spec.tensor(data.images),
-            torch.from_numpy(data.labels),
+            task.build_model(),
+            data,
             cfg.policy,
+            loss_fn=task.loss,
             device=resolve_device(cfg.device),
             max_chunk=fed.max_chunk,
+            num_workers=cfg.num_workers,
         )
         _SITES[key] = (site, cfg)
     site, cfg = _SITES[key]
@@ -136,10 +137,7 @@ def _train(
         metrics["local-steps"] = rc.local_steps
     metrics["site-epsilon"] = site.ledger.epsilon()
     if site.policy.release_metrics:
-        with torch.no_grad():
-            metrics[UNPROTECTED_LOSS_KEY] = float(
-                F.cross_entropy(site.model(site.inputs), site.targets)
-            )
+        metrics[UNPROTECTED_LOSS_KEY] = site.training_loss()
     content = RecordDict(
         {
             **payload,

@@ -8,7 +8,6 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from gep_fed.config import FederationConfig
-from gep_fed.data.tasks import load_task
 from gep_fed.federation.rundir import CONFIG, RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.strategy import GEPStrategy
@@ -23,9 +22,10 @@ def build_strategy(
     task data (public anchors and the server's test set), federation server."""
     run = RunDirectory(fed.run_directory(run_id))
     run.path.mkdir(parents=True, exist_ok=True)
-    task = load_task(fed.task, fed.data_dir, fed.num_public, fed.medmnist_path or None, fed.seed)
-    total = fed.total_examples or len(task.train)
-    if fed.total_examples is None:
+    task = fed.make_task()
+    total = fed.total_examples
+    if total is None and fed.mode == "central":  # a simulation: the pooled data is the union
+        total = len(task.train_dataset())
         log.info("total-examples not declared: using the simulation's pooled size N=%d", total)
     server = FederationServer(fed, task, run, total)
     previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None

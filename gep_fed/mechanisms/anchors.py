@@ -91,6 +91,7 @@ def compute_anchor_subspace(
     loss_fn: LossFn,
     num_classes: int | None = None,
     public_labels: torch.Tensor | None = None,
+    multilabel: bool = False,
     generator: torch.Generator | None = None,
     measure: bool = False,
 ) -> AnchorResult:
@@ -101,6 +102,8 @@ def compute_anchor_subspace(
         config: k, m, t, labels and chunking (see ``GEPConfig``).
         num_classes: for random labels (inferred from the model's output if None).
         public_labels: required when ``config.anchor_labels == "true"``.
+        multilabel: random labels are independent fair 0/1 per output (multi-label or
+            one-logit binary tasks) instead of one random class.
         generator: public randomness for the anchor subset, labels and power-method start.
         measure: also measure the projection error (and, if ``config.clip_quantile`` is set,
             the clip norms) on the anchors: one more pass over their gradients.
@@ -119,7 +122,10 @@ def compute_anchor_subspace(
         labels = public_labels[pick.to(public_labels.device)]
     else:
         classes = num_classes or infer_num_classes(model, inputs)
-        labels = torch.randint(classes, (m,), generator=generator)
+        if multilabel:
+            labels = torch.randint(2, (m, classes), generator=generator).float()
+        else:
+            labels = torch.randint(classes, (m,), generator=generator)
     labels = labels.to(device)
     grads = _AnchorGradients(
         model,

@@ -181,10 +181,12 @@ class Mechanism(ABC):
         return total / expected_batch_size
 
 
-def row_norms(matrix: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """Float64 L2 norm of each row, converting ``block`` rows at a time: exact enough to
-    clip by, without a float64 copy of the whole (n, p) matrix."""
+def row_norms(matrix: torch.Tensor, block_bytes: int = 64 * 2**20) -> torch.Tensor:
+    """Float64 L2 norm of each row, converting at most ``block_bytes`` of rows at a time:
+    exact enough to clip by, without a float64 copy of the whole (n, p) matrix (for a large
+    model a few rows already make a big block)."""
     out = torch.empty(matrix.shape[0], dtype=torch.float64, device=matrix.device)
+    block = max(1, block_bytes // (8 * max(1, matrix.shape[1])))
     for start in range(0, matrix.shape[0], block):
         out[start : start + block] = torch.linalg.vector_norm(
             matrix[start : start + block], dim=1, dtype=torch.float64

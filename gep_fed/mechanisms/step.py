@@ -12,6 +12,7 @@ Each call is one accounted release in ``step.ledger``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,8 @@ from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.per_example import LossFn, per_example_gradients, validate_model
 from gep_fed.mechanisms.subspace import AnchorSubspace
+
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 if TYPE_CHECKING:  # the audit builds on this module
     from gep_fed.accounting.audit import GradientCanaries
@@ -149,18 +152,36 @@ class GEPStep:
         )
         return self.subspace.projection_error(grads)
 
-    def clipped_sums(self, inputs: torch.Tensor, targets: torch.Tensor) -> ClippedSums:
-        """Per-example gradients of a private batch, clipped and summed (not yet private)."""
-        grads = per_example_gradients(
-            self.model, self.loss_fn, inputs, targets, self.layout, self.config.max_chunk
-        )
+    def clipped_sums(self, batches: Iterable[Batch]) -> ClippedSums:
+        """Per-example gradients of a private sample, clipped and summed batch by batch
+        (not yet private)."""
+        extra = None
         if self.canaries is not None:
-            rows = self.canaries.sample_rows(self.subspace, self.config.sample_rate)
-            grads = torch.cat([grads, rows.to(grads)])
-        return self.mechanism.clipped_sums(grads, self.subspace)
+            extra = self.canaries.sample_rows(self.subspace, self.config.sample_rate)
+        return clipped_sums_of_batches(
+            self.model,
+            self.loss_fn,
+            batches,
+            self.layout,
+            self.mechanism,
+            self.subspace,
+            self.config.max_chunk,
+            extra,
+        )
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
-        """One private step on a Poisson-sampled batch (any size, including 0).
+        """One private step on a Poisson-sampled batch held in memory (any size, including
+        0), differentiated ``max_chunk`` examples at a time; ``step`` takes a sample streamed
+        in batches."""
+        chunk = self.config.max_chunk
+        return self.step(
+            [(inputs[i : i + chunk], targets[i : i + chunk]) for i in range(0, len(inputs), chunk)]
+        )
+
+    def step(self, batches: Iterable[Batch]) -> StepReport:
+        """One private step on a Poisson sample given as ``(inputs, targets)`` batches (e.g. a
+        ``DataLoader`` over the sampled indices): per-example gradient memory is bounded by
+        ``max_chunk`` examples, whatever the sample's size.
 
         Records the release in the ledger first: a step that would exceed the ledger's
         budget raises ``BudgetExceededError`` before anything is computed, and a step that
@@ -177,8 +198,7 @@ class GEPStep:
             self.subspace is None or self._steps_since_refresh >= self.config.basis_refresh
         ):
             refreshed = self.refresh_subspace()
-        device = next(self.model.parameters()).device
-        sums = self.clipped_sums(inputs.to(device), targets.to(device))
+        sums = self.clipped_sums(batches)
         noisy = self.mechanism.add_noise(sums, self.config.noise_multiplier, self.noise)
         if self.canaries is not None:
             self.canaries.observe(noisy, self.config.noise_multiplier, self.config.sample_rate)
@@ -186,6 +206,42 @@ class GEPStep:
         write_gradient(self.model, self.layout, estimate)
         self._steps_since_refresh += 1
         return StepReport(refreshed, self.mechanism)
+
+
+def clipped_sums_of_batches(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batches: Iterable[Batch],
+    layout: ParameterLayout,
+    mechanism: Mechanism,
+    subspace: AnchorSubspace | None,
+    max_chunk: int = 128,
+    extra_rows: torch.Tensor | None = None,
+) -> ClippedSums:
+    """Clip every example's gradient and sum, one batch at a time, on the model's device.
+
+    Clipping is per example and the sums are additive, so streaming batches changes nothing
+    but the memory: at most ``max_chunk`` per-example gradients exist at once. ``extra_rows``
+    are per-example gradients added as they are (audit canaries). An empty sample gives zero
+    sums of the right shapes."""
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    total = None
+    for inputs, targets in batches:
+        grads = per_example_gradients(
+            model,
+            loss_fn,
+            inputs.to(device, non_blocking=True),
+            targets.to(device, non_blocking=True),
+            layout,
+            max_chunk,
+        )
+        sums = mechanism.clipped_sums(grads, subspace)
+        total = sums if total is None else total + sums
+    if extra_rows is not None or total is None:
+        rows = extra_rows if extra_rows is not None else torch.empty(0, layout.size)
+        sums = mechanism.clipped_sums(rows.to(device=device, dtype=torch.float32), subspace)
+        total = sums if total is None else total + sums
+    return total
 
 
 def write_gradient(model: nn.Module, layout: ParameterLayout, flat: torch.Tensor) -> None:

@@ -1,0 +1,179 @@
+"""The task interface: what a federation trains, written by its user.
+
+A task provides five things: a model factory, the private training data (a site's own data
+from its node config, or the pooled data a simulation partitions), the server's evaluation
+data, the public anchor data, and a per-example loss with the metrics to report. A hospital
+writes one in its own ``task.py`` and names it in the run config::
+
+    task = "my_hospital.task:ChestXray"
+
+The built-in tasks (``gep_fed.data.tasks``) are examples of the same interface. See
+``docs/tasks.md`` for a worked example.
+
+Datasets are ``torch.utils.data.Dataset`` objects returning ``(x, y)``: ``x`` a float tensor
+``(C, H, W)`` (or any shape the model takes), ``y`` an int64 class index or, for multi-label
+tasks, a float tensor of 0/1 labels. A site reads only the examples each Poisson sample takes,
+so its dataset should decode lazily (``gep_fed.data.formats``); ``targets()``, when a dataset
+has it, gives the labels without decoding (a simulation partitions by them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from gep_fed.data.datasets import DataError, to_tensor
+from gep_fed.data.metrics import KINDS, evaluate_predictions, loss_for
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """The run's settings a task may read (public, from the run config).
+
+    Attributes:
+        data_dir: where the simulation's and the server's data sets live.
+        model: an architecture name the task understands ("auto" for its default).
+        num_public: how many public anchor examples the server uses.
+        seed: public randomness (splits, the public sample, the initial model).
+        options: anything else the task documents (e.g. a MedMNIST file path).
+    """
+
+    data_dir: str = "../shared/data"
+    model: str = "auto"
+    num_public: int = 2000
+    seed: int = 0
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+class Task(ABC):
+    """A federation's model, data, public data, loss and metrics.
+
+    Subclass it, implement the abstract methods, and name the class in the run config as
+    ``"package.module:ClassName"``. The server calls ``build_model``, ``eval_dataset`` and
+    ``public_dataset``; a deployed site calls ``build_model`` and ``site_dataset`` with the
+    path from its own node config; a simulation partitions ``train_dataset`` across its sites.
+
+    Privacy: the task's code runs at every site, next to the private data, so a site runs only
+    task code it has reviewed. The mechanism clips and noises whatever gradients the loss
+    produces, so no choice of model, loss or data here can weaken the guarantee. Normalisation
+    constants must be declared, never measured on private data.
+
+    Attributes:
+        kind: "multiclass" (int targets, cross-entropy), "binary" (one logit or two classes)
+            or "multilabel" (float 0/1 targets, BCE with logits per label).
+    """
+
+    kind: ClassVar[str] = "multiclass"
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        self.settings = settings or TaskSettings()
+        if self.kind not in KINDS:
+            raise ValueError(f"{type(self).__name__}.kind must be one of {KINDS}")
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model (no BatchNorm: ``gep_fed.batchnorm_to_groupnorm`` converts one).
+        Parameters with ``requires_grad=False`` are frozen: never released or noised."""
+
+    @abstractmethod
+    def eval_dataset(self) -> Dataset:
+        """The server's evaluation data (never a site's private data)."""
+
+    @abstractmethod
+    def public_dataset(self) -> Dataset:
+        """Public, non-sensitive examples for the anchor subspace, read by the server only.
+        Their labels are used only with ``anchor_labels="true"``."""
+
+    def train_dataset(self) -> Dataset:
+        """The pooled private data a simulation partitions across its sites."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no pooled training data: it runs only in deployments, "
+            "where each site reads its own data (site_dataset)"
+        )
+
+    def site_dataset(self, data_path: str) -> Dataset:
+        """A deployed site's own private data, from the ``data-path`` of its node config."""
+        raise NotImplementedError(f"{type(self).__name__} does not read site data files")
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of a batch (one example at a time when per-example gradients are taken):
+        cross-entropy, or BCE with logits per label (multi-label, one-logit binary)."""
+        return loss_for(self.kind, outputs.shape[-1])(outputs, targets)
+
+    def metrics(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+        """Metrics of the server's evaluation, from all its logits and targets (accuracy,
+        balanced accuracy, loss, AUROC where defined; scikit-learn's implementations)."""
+        return evaluate_predictions(logits, targets, self.kind)
+
+
+def resolve_task(name: str) -> type[Task]:
+    """A built-in task's name, or ``"package.module:ClassName"`` of the user's own task."""
+    from gep_fed.data.tasks import BUILT_IN_TASKS
+
+    if name in BUILT_IN_TASKS:
+        return BUILT_IN_TASKS[name]
+    module_name, sep, class_name = name.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(
+            f"task {name!r} is neither a built-in task ({sorted(BUILT_IN_TASKS)}) nor an "
+            "import path 'package.module:ClassName'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"task {name!r}: cannot import {module_name!r}: {err}") from err
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ValueError(f"task {name!r}: {module_name}.{class_name} is not a gep_fed Task")
+    return cls
+
+
+class ArrayImageDataset(Dataset):
+    """Images held as one ``uint8`` array (small data: digits, MNIST, MedMNIST), converted to
+    float tensors one example at a time with a declared mean and std."""
+
+    def __init__(
+        self, images: np.ndarray, labels: np.ndarray, mean: float, std: float
+    ) -> None:
+        if len(images) != len(labels):
+            raise DataError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.mean, self.std = images, labels, mean, std
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = to_tensor(self.images[i : i + 1], self.mean, self.std)[0]
+        return x, torch.as_tensor(self.labels[i])
+
+    def targets(self) -> np.ndarray:
+        return self.labels
+
+
+def dataset_targets(dataset: Dataset) -> np.ndarray:
+    """A dataset's labels: its ``targets()`` when it has one, else read item by item."""
+    if hasattr(dataset, "targets") and callable(dataset.targets):
+        return np.asarray(dataset.targets())
+    return np.asarray([np.asarray(dataset[i][1]) for i in range(len(dataset))])
+
+
+def stack_examples(dataset: Dataset, indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The examples at ``indices`` (default: all) as two tensors, read in batches."""
+    from torch.utils.data import Subset
+
+    subset = dataset if indices is None else Subset(dataset, list(indices))
+    xs, ys = [], []
+    for x, y in DataLoader(subset, batch_size=512):
+        xs.append(x)
+        ys.append(y)
+    if not xs:
+        raise DataError("no examples to read")
+    return torch.cat(xs), torch.cat(ys)

@@ -1,0 +1,56 @@
+"""A user's own task, written outside ``gep_fed`` as a hospital would write its ``task.py``.
+
+Two findings per image (multi-label, BCE per finding): "the digit is even" and "the digit is at
+least 5", on scikit-learn's digits, with the user's own model and dataset classes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import Dataset
+
+from gep_fed.data.datasets import sample_photo_patches
+from gep_fed.data.task import Task, TaskSettings
+
+
+class FindingsDataset(Dataset):
+    def __init__(self, images: np.ndarray, digits: np.ndarray) -> None:
+        self.images = torch.from_numpy(images.astype(np.float32) / 16.0).unsqueeze(1)
+        findings = np.stack([digits % 2 == 0, digits >= 5], axis=1).astype(np.float32)
+        self.findings = torch.from_numpy(findings)
+
+    def __len__(self) -> int:
+        return len(self.findings)
+
+    def __getitem__(self, i):
+        return self.images[i], self.findings[i]
+
+    def targets(self) -> np.ndarray:
+        return (self.findings[:, 0] * 2 + self.findings[:, 1]).long().numpy()
+
+
+class TwoFindingsTask(Task):
+    kind = "multilabel"
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        super().__init__(settings)
+        digits = load_digits()
+        perm = np.random.default_rng(self.settings.seed).permutation(len(digits.target))
+        self.train_idx, self.test_idx = perm[:1400], perm[1400:]
+        self.images, self.digits = digits.images, digits.target
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 2))
+
+    def train_dataset(self) -> Dataset:
+        return FindingsDataset(self.images[self.train_idx], self.digits[self.train_idx])
+
+    def eval_dataset(self) -> Dataset:
+        return FindingsDataset(self.images[self.test_idx], self.digits[self.test_idx])
+
+    def public_dataset(self) -> Dataset:
+        patches = sample_photo_patches(self.settings.num_public, 8, seed=self.settings.seed)
+        return FindingsDataset(patches / 255.0 * 16.0, np.zeros(len(patches), dtype=np.int64))
