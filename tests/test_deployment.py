@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import shared_file
 
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.rundir import RunDirectory
@@ -33,7 +34,9 @@ def federation_env(deploy: Path) -> dict:
     for tool in ("openssl", "ssh-keygen"):
         if subprocess.run(["which", tool], capture_output=True).returncode:
             pytest.skip(f"{tool} is needed to make the test certificates and keys")
+    data = shared_file("medmnist/pneumoniamnist.npz").parents[1]  # the hospitals' images
     return {
+        "DATA": str(data),
         **os.environ,
         "DEPLOY": str(deploy),
         "PORT": str(free_port()),
@@ -133,8 +136,10 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_pat
     env = federation_env(deploy)
     run_dir = deploy / "runs" / "faults"
     command = (
-        "flwr run . hospitals --stream --run-config \"mode='central' target-epsilon=4.0 rounds=4 "
-        "total-examples=1437 min-sites=2 round-timeout=45.0 "
+        "flwr run . hospitals --stream --run-config "
+        "\"task='examples.hospital.task:ChestXrayFolders' "
+        "data-dir='$DATA' mode='central' target-epsilon=4.0 rounds=4 "
+        "total-examples=4708 min-sites=2 round-timeout=45.0 "
         f"run-dir='{deploy / 'runs'}' run-name='faults'\""
     )
     try:

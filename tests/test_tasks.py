@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import SHARED_DATA, shared_file
 
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.config import ConfigError, FederationConfig
@@ -59,3 +60,28 @@ def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch, m
     for site in range(3):
         ledger = PrivacyLedger.load_keyed(result.run_dir / "sites" / f"site-{site}" / "ledger.json")
         assert ledger.steps == steps
+
+
+def test_cifar10_with_resnet20_gn_runs_in_both_modes_reduced(tmp_path):
+    """The CIFAR-10 worked example (batches 1-2 private, batch 5 for the server,
+    Tiny-ImageNet anchors, ResNet20-GN), reduced to one round per mode."""
+    shared_file("cifar10/cifar-10-batches-bin/data_batch_5.bin")
+    shared_file("tinyimagenet/tinyimagenet_val_32x32.npz")
+    for mode in ("central", "client"):
+        fed = FederationConfig(
+            task="cifar10",
+            data_dir=str(SHARED_DATA),
+            mode=mode,
+            rounds=1,
+            local_steps=1,
+            num_basis=20,
+            num_public=64,
+            sample_rate=0.002,
+            noise_seed=1,
+            run_dir=str(tmp_path),
+            run_name=mode,
+        )
+        result = simulate(fed, progress=False)
+        (metrics,) = result.metrics
+        assert metrics["sites_ok"] == 3 and metrics["applied"]
+        assert 0 <= metrics["test_accuracy"] <= 1
