@@ -354,6 +354,11 @@ class FederationConfig:
     num_basis: int = _opt(64, "k: anchor-subspace dimension (public; no privacy cost)")
     num_anchors: int | None = _opt(None, "m: anchors used per subspace (default: all public data)")
     power_iterations: int = _opt(1, "t: power-method passes per subspace")
+    anchor_labels: str = _opt(
+        "random",
+        "labels of the public anchors: random (fresh at every subspace, the default) or true "
+        "(the public data's own labels)",
+    )
     basis_refresh: int = _opt(1, "recompute and resend the basis every R rounds")
     basis_dtype: str = _opt("float32", "basis on the wire: float32 or float16 (half the bytes)")
     rounds: int = _opt(10, "federated rounds")
@@ -393,6 +398,7 @@ class FederationConfig:
         _choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
         _choice("partition", self.partition, PARTITIONS)
         _choice("basis_dtype", self.basis_dtype, BASIS_DTYPES)
+        _choice("anchor_labels", self.anchor_labels, ANCHOR_LABELS)
         _choice("device", self.device, DEVICES)
         for name in (
             "num_sites",
@@ -491,6 +497,7 @@ class FederationConfig:
             num_basis=self.num_basis,
             num_anchors=self.num_anchors,
             power_iterations=self.power_iterations,
+            anchor_labels=self.anchor_labels,
             max_chunk=self.max_chunk,
         )
 

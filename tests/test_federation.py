@@ -122,3 +122,22 @@ def test_a_spent_ledger_without_checkpoint_is_not_started_over(tmp_path, digits)
     again = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
     with pytest.raises(LedgerError, match="no checkpoint"):
         again.resume()
+
+
+def test_anchors_use_the_public_datas_own_labels_only_when_asked(tmp_path, digits, monkeypatch):
+    import gep_fed.federation.server as server_module
+
+    seen = []
+    real = server_module.compute_anchor_subspace
+
+    def spy(model, inputs, layout, config, **kwargs):
+        seen.append((config.anchor_labels, kwargs["public_labels"]))
+        return real(model, inputs, layout, config, **kwargs)
+
+    monkeypatch.setattr(server_module, "compute_anchor_subspace", spy)
+    for labels in ("random", "true"):
+        server = make_server(tmp_path / labels, digits, anchor_labels=labels)
+        server.plan_round(1)
+    assert [s[0] for s in seen] == ["random", "true"]
+    _, public_labels = stack_examples(digits.public_dataset())
+    assert sorted(seen[1][1].tolist()) == sorted(public_labels.tolist())
