@@ -6,10 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from audit_variants import VARIANTS, langevin_noise_cut_a_hundredfold, noise_quartered
 
-from gep_fed.accounting.audit import AuditSetup, epsilon_lower_bound, p_value, run_audit
+from gep_fed.accounting.audit import (
+    AuditSetup,
+    epsilon_lower_bound,
+    fitted_mu_lower_bound,
+    gdp_epsilon,
+    gdp_mu_lower_bound,
+    p_value,
+    run_audit,
+)
 
 
 def test_all_guesses_right_without_delta_gives_the_randomised_response_bound():
@@ -28,6 +37,55 @@ def test_delta_only_weakens_what_the_guesses_can_reject():
     assert epsilon_lower_bound(1000, 200, 170, 1e-3) < epsilon_lower_bound(1000, 200, 170, 0.0)
 
 
+def _gaussian_scores(mu: float, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scores of a mu-GDP canary test: N(mu, 1) when included, N(0, 1) when not."""
+    rng = np.random.default_rng(seed)
+    included = rng.random(m) < 0.5
+    return rng.standard_normal(m) + mu * included, included
+
+
+def test_the_f_dp_bound_never_exceeds_the_mu_of_a_gaussian_mechanism():
+    """Guesses made from exactly mu-GDP scores (top and bottom 5 % of 2,000) never reject the
+    true mu, and reach a useful share of it; more right guesses prove more."""
+    for mu in (0.5, 1.0, 2.0):
+        bounds = []
+        for seed in range(10):
+            scores, included = _gaussian_scores(mu, 2000, seed)
+            order = np.argsort(-scores)
+            k = 100
+            correct = int(included[order[:k]].sum() + (~included[order[-k:]]).sum())
+            bounds.append(gdp_mu_lower_bound(2000, 2 * k, correct))
+        assert max(bounds) <= mu, (mu, bounds)
+        assert np.mean(bounds) > 0.35 * mu, (mu, bounds)
+    more_right = [gdp_mu_lower_bound(2000, 200, v) for v in (100, 150, 180, 200)]
+    assert more_right[0] == 0.0 and more_right == sorted(set(more_right)), more_right
+
+
+def test_gdp_epsilon_matches_the_gaussian_mechanisms_epsilon():
+    """mu-GDP is one Gaussian release at sigma = 1 / mu: dp-accounting's PLD of that release
+    agrees with the closed form (Dong, Roth & Su 2022, Corollary 2.13)."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    for mu in (0.5, 1.0, 2.0):
+        accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+        accountant.compose(dp_accounting.GaussianDpEvent(1.0 / mu))
+        expected = accountant.get_epsilon(1e-5)
+        assert gdp_epsilon(mu, 1e-5) == pytest.approx(expected, rel=2e-3)
+
+
+def test_the_fitted_mu_covers_the_true_shift_at_its_confidence():
+    """The Gaussian fit's 95 % lower bound sits below the true mu in about 95 % of runs, and
+    within a few standard errors of it (m = 1,000)."""
+    for mu in (0.5, 1.5):
+        bounds = [fitted_mu_lower_bound(*_gaussian_scores(mu, 1000, seed)) for seed in range(40)]
+        assert sum(b > mu for b in bounds) <= 5, (mu, bounds)
+        assert min(bounds) > mu - 0.35, (mu, bounds)
+    # scores with half the spread they should have (noise halved) double the fitted mu
+    scores, included = _gaussian_scores(1.0, 1000, 0)
+    assert fitted_mu_lower_bound(scores / 2 + 0.25 * included, included) > 1.2
+
+
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
@@ -35,29 +93,34 @@ def test_an_honest_run_audits_below_its_claim_and_above_zero(mechanism, mode, ep
     result = run_audit(AuditSetup(mechanism=mechanism, mode=mode, epsilon=epsilon))
     assert result.claimed_epsilon_rdp == pytest.approx(epsilon, abs=0.01)
     assert 0 < result.epsilon_lower_bound <= result.claimed_epsilon_pld
+    assert 0 < result.gdp_mu_lower_bound <= result.claimed_mu
+    assert 0 < result.fitted_mu_lower_bound <= result.claimed_mu
+    assert result.caught_by == ()
     assert result.steps == 1 and result.canaries == 1000
     expected = "trusted-server" if mode == "central" else "local"
     assert result.placement == expected
 
 
+@pytest.mark.parametrize("epsilon", [2.0, 8.0])
+@pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize(
     "variant", ["noise halved", "residual clipped at 2 S2", "GEP accounted at sigma"]
 )
-def test_a_broken_variant_raises_the_audited_bound(variant):
-    """The audit sees each of these leaks: on the same seeds, every broken run audits higher
-    than its honest twin (five seeds). At m = 1,000 the bound stays below the claim (the
-    method reaches about 40 % of a Gaussian mechanism's epsilon), so these are measured
-    shifts, not proofs of a violation."""
+def test_a_broken_variant_is_caught_above_its_claim(variant, mode, epsilon):
+    """Each leak is caught by the Gaussian fit of the canary scores (its bound on mu exceeds
+    the claimed mu), with the accounting unchanged. The distribution-free analyses (Steinke
+    et al.; f-DP) reach only 40-60 % of a Gaussian mechanism's mu at m = 1,000 and catch none
+    of these, so the fit's assumption (Gaussian scores, which is what the mechanisms
+    claim) carries the catch. GEP's canaries are all aimed at both clips (kind "both")."""
     mechanism, broken = VARIANTS[variant]
-    shifts = []
-    for seed in range(5):
-        setup = AuditSetup(mechanism=mechanism, mode="client", epsilon=2.0, seed=seed)
-        honest = run_audit(setup)
-        with broken():
-            leaky = run_audit(setup)
-        assert leaky.claimed_epsilon_rdp == pytest.approx(honest.claimed_epsilon_rdp)
-        shifts.append(leaky.epsilon_lower_bound - honest.epsilon_lower_bound)
-    assert min(shifts) > 0 and sum(shifts) / len(shifts) > 0.15, shifts
+    kinds = ("both",) if mechanism == "gep" else None  # the canaries that meet the whole claim
+    setup = AuditSetup(mechanism=mechanism, mode=mode, epsilon=epsilon, canary_kinds=kinds)
+    if kinds:  # the honest twin of the aimed audit passes
+        assert run_audit(setup).caught_by == ()
+    with broken():
+        leaky = run_audit(setup)
+    assert leaky.claimed_epsilon_rdp == pytest.approx(epsilon, abs=0.01)
+    assert "gaussian-fit" in leaky.caught_by, leaky
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,7 @@ def _audit(args: argparse.Namespace) -> int:
         canaries=args.canaries,
         steps=args.steps,
         sample_rate=args.sample_rate,
+        canary_kinds=tuple(args.canary_kinds) if args.canary_kinds else None,
         seed=args.seed,
     )
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -202,6 +203,12 @@ def _audit(args: argparse.Namespace) -> int:
             f"{result.correct} of {result.guesses} guesses right, {result.canaries} canaries)",
         ),
         (
+            "audited mu (GDP)",
+            f"f-DP >= {result.gdp_mu_lower_bound:.4f}, Gaussian fit >= "
+            f"{result.fitted_mu_lower_bound:.4f}, claimed {result.claimed_mu:.4f} "
+            "(q = 1 only)",
+        ),
+        (
             "releases",
             f"{result.steps} at q={result.sample_rate:g}, sigma={result.noise_multiplier:.4f}",
         ),
@@ -210,8 +217,11 @@ def _audit(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
-    if result.epsilon_lower_bound > result.claimed_epsilon_rdp:
-        print("AUDIT FAILED: the run leaks more than its claimed epsilon")
+    if result.caught_by:
+        print(
+            "AUDIT FAILED: the run leaks more than it claims "
+            f"(bound above the claim: {', '.join(result.caught_by)})"
+        )
     print(f"run directory: {out}")
     return 1 if result.epsilon_lower_bound > result.claimed_epsilon_rdp else 0
 
@@ -326,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--delta", type=float, default=1e-5, help="delta of the claim")
     aud.add_argument("--canaries", type=int, default=1000, help="m, canary gradients")
     aud.add_argument("--steps", type=int, default=1, help="T, private releases audited")
+    aud.add_argument(
+        "--canary-kinds",
+        nargs="+",
+        choices=("embedding", "residual", "both", "gradient"),
+        default=None,
+        help="aim the canaries at these kinds (default: every kind the mechanism releases)",
+    )
     aud.add_argument(
         "--sample-rate", type=float, default=1.0, help="q, Poisson rate of every example"
     )
