@@ -161,6 +161,12 @@ class GEPConfig:
             public data at already-private parameters); ``clip_embedding`` and
             ``clip_residual`` are then ignored.
         basis_refresh: recompute the subspace every this many steps (1: every step).
+        past_releases: also span the subspace with this step's latest ``past_releases``
+            released gradient estimates (each group's part, orthogonalised against the
+            public basis): the releases are already noised and accounted, so reusing them is
+            post-processing and costs no privacy. They add up to ``past_releases``
+            dimensions per group to the ``num_basis`` public ones (0: public anchors only).
+            Single-machine ``GEPStep`` only; a federation's subspace is public-only.
         max_chunk: at most this many examples are differentiated at once (memory bound).
         groups: ``{group: [parameter-name patterns]}``; None for the layer-aware default.
         anchor_cache_mb: keep anchor gradients in memory between power iterations when they
@@ -179,6 +185,7 @@ class GEPConfig:
     clip_norm: float = 1.0
     clip_quantile: float | None = None
     basis_refresh: int = 1
+    past_releases: int = 0
     max_chunk: int = 128
     groups: Mapping[str, Sequence[str]] | None = field(default=None, hash=False)
     anchor_cache_mb: int = 1024
@@ -194,6 +201,7 @@ class GEPConfig:
         if self.num_anchors is not None:
             _integer("num_anchors", self.num_anchors, low=1)
         _integer("anchor_cache_mb", self.anchor_cache_mb, low=0)
+        _integer("past_releases", self.past_releases, low=0)
         if self.groups is not None and (
             not isinstance(self.groups, Mapping)
             or not all(

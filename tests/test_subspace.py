@@ -41,3 +41,46 @@ def test_embed_then_lift_is_the_orthogonal_projection():
     # the residual is orthogonal to the subspace, and projecting twice changes nothing
     assert torch.allclose(subspace.embed(g - projected), torch.zeros(3, 10), atol=1e-5)
     assert torch.allclose(subspace.lift(subspace.embed(projected)), projected, atol=1e-5)
+
+
+def test_extending_by_directions_keeps_the_basis_orthonormal_and_contains_them():
+    layout = flat_layout(300, 200)
+    subspace = random_subspace(layout, (6, 4))
+    gen = torch.Generator().manual_seed(3)
+    directions = [torch.randn(layout.size, generator=gen) for _ in range(3)]
+    inside = subspace.lift(torch.randn(subspace.num_basis, generator=gen))
+    extended = subspace.with_directions([*directions, inside])
+    assert extended.dims == (9, 7)  # the direction already inside adds nothing
+    assert extended.orthonormality_error < 1e-5
+    assert extended.projection_error(torch.stack(directions)) < 1e-10
+    for old, new in zip(subspace.bases, extended.bases, strict=True):
+        torch.testing.assert_close(new[:, : old.shape[1]], old)  # the public part unchanged
+    assert subspace.with_directions([]) is subspace
+
+
+def test_a_step_spans_its_latest_releases_at_no_privacy_cost():
+    """With past_releases = 2, each step's subspace holds the two previous released
+    estimates (the gradients the optimiser saw), and the ledger is the same as without."""
+    from gep_fed import GEPConfig, GEPStep
+    from gep_fed.data.models import MLP
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 20, generator=gen), torch.randint(3, (64,), generator=gen)
+    public = torch.randn(50, 20, generator=gen)
+    ledgers, dims = [], []
+    for past in (0, 2):
+        torch.manual_seed(0)
+        model = MLP(20, 3, hidden=(16,))
+        config = GEPConfig(num_basis=8, noise_multiplier=1.0, sample_rate=0.5, past_releases=past)
+        step = GEPStep(model, public, config, dataset_size=64, generator=gen)
+        released = []
+        for _ in range(4):
+            step(x, y)
+            released.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        step(x, y)
+        if past:
+            assert step.subspace.projection_error(torch.stack(released[-2:])) < 1e-8
+        dims.append(step.subspace.num_basis)
+        ledgers.append(step.ledger.epsilon())
+    assert dims[1] > dims[0]
+    assert ledgers[0] == ledgers[1]

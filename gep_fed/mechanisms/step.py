@@ -12,6 +12,7 @@ Each call is one accounted release in ``step.ledger``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -97,6 +98,8 @@ class GEPStep:
         self.layout = ParameterLayout.from_model(model, config.groups)
         self.mechanism = config.contract.build_mechanism()
         self.subspace: AnchorSubspace | None = None
+        self._anchor_subspace: AnchorSubspace | None = None  # public part of ``subspace``
+        self._released: deque[torch.Tensor] = deque(maxlen=config.past_releases)
         self._steps_since_refresh = 0
         self._external_subspace = False
 
@@ -125,7 +128,7 @@ class GEPStep:
             generator=self.generator,
             measure=measure,
         )
-        self.subspace = result.subspace
+        self.subspace = self._anchor_subspace = result.subspace
         if self.config.clip_quantile is not None:
             self.mechanism = self.config.contract.build_mechanism(
                 result.clip_embedding, result.clip_residual
@@ -198,12 +201,16 @@ class GEPStep:
             self.subspace is None or self._steps_since_refresh >= self.config.basis_refresh
         ):
             refreshed = self.refresh_subspace()
+        if needs_basis and self._released:
+            self.subspace = self._anchor_subspace.with_directions(list(self._released))
         sums = self.clipped_sums(batches)
         noisy = self.mechanism.add_noise(sums, self.config.noise_multiplier, self.noise)
         if self.canaries is not None:
             self.canaries.observe(noisy, self.config.noise_multiplier, self.config.sample_rate)
         estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
         write_gradient(self.model, self.layout, estimate)
+        if self._released.maxlen:
+            self._released.append(estimate.detach().clone())
         self._steps_since_refresh += 1
         return StepReport(refreshed, self.mechanism)
 

@@ -6,7 +6,7 @@ costs no privacy. Private gradients are embedded in it (``embed``) and mapped ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -80,6 +80,24 @@ class AnchorSubspace:
         for cols, ks, basis in self._pairs():
             torch.matmul(emb[:, ks], basis.to(emb.dtype).T, out=out[:, cols])
         return out if batched else out[0]
+
+    def with_directions(self, directions: Sequence[torch.Tensor]) -> AnchorSubspace:
+        """This subspace, each group's basis extended by the group's part of ``directions``
+        (``(p,)`` vectors), orthogonalised against it; parts already (numerically) inside
+        the subspace add nothing."""
+        if not directions:
+            return self
+        stacked = torch.stack([d.to(self.device, self.bases[0].dtype) for d in directions], 1)
+        bases = []
+        for (cols, _, basis) in self._pairs():
+            extra = stacked[cols]
+            for _ in range(2):  # twice: one Gram-Schmidt pass loses orthogonality in float32
+                extra = extra - basis @ (basis.T @ extra)
+            q, r = torch.linalg.qr(extra)
+            scale = torch.linalg.vector_norm(stacked[cols], dim=0).clamp_min(1e-30)
+            keep = r.diagonal().abs() > 1e-4 * scale
+            bases.append(torch.cat([basis, q[:, keep]], 1) if keep.any() else basis)
+        return AnchorSubspace(self.layout, tuple(bases))
 
     def group_slices(self):
         """(parameter columns, embedding columns) per group."""
