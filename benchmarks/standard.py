@@ -286,9 +286,11 @@ GRIDS = {
 }
 # Issue 13's levers, measured on validation (TAN like the tuning) on top of each method's
 # best tuned setting of the grid: the subspace also spanning past releases (GEP), averaging
-# of the iterates (EMA; GEP and GP alike). Not tuning settings: never chosen for a final.
+# of the iterates (EMA; GEP and GP alike), S1 and S2 set at each subspace computation to the
+# median embedding / residual norm of the public anchors (``clip_quantile``: privacy-free; a
+# privately estimated quantile would cost budget). Not tuning settings: never chosen for a final.
 LEVERS = {
-    "gep": ({"past": 10}, {"past": 40}, {"ema": 0.99}, {"ema": 0.997}),
+    "gep": ({"past": 10}, {"past": 40}, {"ema": 0.99}, {"ema": 0.997}, {"quantile": 0.5}),
     "gp": ({"ema": 0.99}, {"ema": 0.997}),
 }
 
@@ -569,6 +571,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 clip_norm=s1,
                 basis_refresh=setting.get("refresh", 1),
                 past_releases=setting.get("past", 0),
+                clip_quantile=setting.get("quantile"),
                 max_chunk=args.max_chunk,
             )
             accuracy, ledger = train_library(
@@ -653,6 +656,8 @@ def fmt_setting(method: str, s: dict) -> str:
         parts.append(f"past={s['past']}")
     if s.get("ema"):
         parts.append(f"EMA={s['ema']:g}")
+    if s.get("quantile"):
+        parts.append(f"S1,S2=public q{s['quantile']:g}")
     return " ".join(parts)
 
 
