@@ -288,9 +288,18 @@ GRIDS = {
 # best tuned setting of the grid: the subspace also spanning past releases (GEP), averaging
 # of the iterates (EMA; GEP and GP alike), S1 and S2 set at each subspace computation to the
 # median embedding / residual norm of the public anchors (``clip_quantile``: privacy-free; a
-# privately estimated quantile would cost budget). Not tuning settings: never chosen for a final.
+# privately estimated quantile would cost budget), and GEP's own knobs beyond the grid (a
+# larger k, a smaller residual clip). Not tuning settings: never chosen for a final.
 LEVERS = {
-    "gep": ({"past": 10}, {"past": 40}, {"ema": 0.99}, {"ema": 0.997}, {"quantile": 0.5}),
+    "gep": (
+        {"past": 10},
+        {"past": 40},
+        {"ema": 0.99},
+        {"ema": 0.997},
+        {"quantile": 0.5},
+        {"k": 300},
+        {"s2_ratio": 0.3},
+    ),
     "gp": ({"ema": 0.99}, {"ema": 0.997}),
 }
 
@@ -799,7 +808,9 @@ def write_table(dataset: str, out: Path = OUT) -> Path:
         ]
         by_key = {json.dumps(r["setting"], sort_keys=True) + r["method"]: r for r in tunes}
         for r in levers:
-            base_setting = {k: v for k, v in r["setting"].items() if k not in r["lever"]}
+            base_setting = r.get("base") or {
+                k: v for k, v in r["setting"].items() if k not in r["lever"]
+            }
             base = by_key.get(json.dumps(base_setting, sort_keys=True) + r["method"])
             base_acc = None if base is None else base["accuracy"]
             change = "-" if base_acc is None else f"{100 * (r['accuracy'] - base_acc):+.2f}"
@@ -1001,7 +1012,12 @@ def main(argv=None) -> int:
             best = max(tuned, key=lambda r: r["accuracy"])
             if args.stage == "levers":
                 for lever in LEVERS.get(method, ()):
-                    run(method, {**best["setting"], **lever}, "tune", {"lever": lever})
+                    run(
+                        method,
+                        {**best["setting"], **lever},
+                        "tune",
+                        {"lever": lever, "base": best["setting"]},
+                    )
                 continue
             run(
                 method,
