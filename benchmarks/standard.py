@@ -932,6 +932,11 @@ def parse_args(argv=None):
         "--out", default=str(OUT), help="folder of the log and the table (e.g. for smoke tests)"
     )
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument(
+        "--lever-final",
+        action="store_true",
+        help="with --stage levers: test the best lever setting if it beat the grid on validation",
+    )
 
     args = ap.parse_args(argv)
     if args.epsilon is None:
@@ -1034,12 +1039,28 @@ def main(argv=None) -> int:
                 continue
             best = max(tuned, key=lambda r: r["accuracy"])
             if args.stage == "levers":
-                for lever in LEVERS.get(method, ()):
+                tried = [
                     run(
                         method,
                         {**best["setting"], **lever},
                         "tune",
                         {"lever": lever, "base": best["setting"]},
+                    )
+                    for lever in LEVERS.get(method, ())
+                ]
+                tried = [r for r in tried if r is not None]
+                winner = max(tried, key=lambda r: r["accuracy"], default=None)
+                if args.lever_final and winner and winner["accuracy"] > best["accuracy"]:
+                    # the grid plus its levers, chosen on validation, tested once
+                    run(
+                        method,
+                        winner["setting"],
+                        "final",
+                        {
+                            "chosen_val_accuracy": winner["accuracy"],
+                            "tuned_runs": len(tuned) + len(tried),
+                            "lever": winner["lever"],
+                        },
                     )
                 continue
             run(
