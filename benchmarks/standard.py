@@ -850,7 +850,7 @@ def write_table(dataset: str, out: Path = OUT) -> Path:
         "",
         f"{len(records)} runs logged ({len(tunes)} tuning, {len(finals)} final): "
         f"{total_wall / 60:.0f} min wall, {total_cpu / 60:.0f} min CPU in training "
-        "(feature extraction excluded: about 3 min once per data set, cached).",
+        "(feature extraction excluded: 1-3 min once per data set, cached).",
     ]
     path = Path(out) / f"{dataset}.md"
     path.write_text("\n".join(lines) + "\n")
@@ -877,7 +877,11 @@ def parse_args(argv=None):
         "--head", choices=("linear", "cnn"), default="linear", help="model on ScatterNet features"
     )
     ap.add_argument("--groups", type=int, default=27, help="GroupNorm groups on the features")
-    ap.add_argument("--grid", default="small", help="which tuning grid (small, full)")
+    ap.add_argument(
+        "--grid",
+        default="small",
+        help="which tuning grid: small, main, main2, full (scatter), cifar, small (raw)",
+    )
     ap.add_argument(
         "--stage",
         choices=("tune", "final", "all", "levers"),
