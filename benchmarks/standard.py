@@ -771,7 +771,8 @@ def write_table(dataset: str, out: Path = OUT) -> Path:
         feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
         val = r.get("chosen_val_accuracy")
         lines.append(
-            f"| {r['method']} | {feats} | {r.get('grid', '-')} | "
+            f"| {r['method']} | {feats} | {r.get('grid', '-')}"
+            f"{' + levers' if r.get('lever') else ''} | "
             f"{r['epsilon'] if r['epsilon'] is not None else 'inf'} "
             f"| {fmt_setting(r['method'], r['setting'])} | "
             f"{'-' if val is None else f'{100 * val:.2f}'} | {100 * r['accuracy']:.2f} | "
