@@ -1,0 +1,55 @@
+"""The standard benchmark's log: it resumes across sessions and keeps its protocol."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+standard = pytest.importorskip("standard")
+
+DATASETS = ("mnist", "fmnist", "cifar10")
+
+
+def _args(record: dict):
+    tan = record.get("tan", 1) if record["stage"] == "tune" else 8
+    return standard.parse_args(
+        [
+            "--dataset",
+            record["dataset"],
+            "--epsilon",
+            str(record["epsilon"] or standard.GOALS[record["dataset"]][0]),
+            "--tan",
+            str(tan),
+            "--features",
+            record["features"],
+        ]
+    )
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_every_logged_run_is_found_again_by_its_key(dataset):
+    """A rerun skips what the log holds only if the key it computes is the logged one."""
+    records = standard.read_log(dataset)
+    assert records, f"no log for {dataset}"
+    for r in records:
+        assert standard.run_key(_args(r), r["method"], r["setting"], r["stage"]) == r["key"]
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_tan_tuning_keeps_the_noise_per_example_of_the_target_run(dataset):
+    """TAN: batch / R and sigma / R at the same steps leave sigma / (q n) unchanged."""
+    tuned = [r for r in standard.read_log(dataset) if r.get("tan", 1) > 1]
+    assert tuned
+    for r in tuned:
+        target = r["target"]
+        assert r["sigma"] / r["expected_batch"] == pytest.approx(
+            target["sigma"] / target["expected_batch"], rel=1e-9
+        )
+
+
+def test_every_tuning_grid_gives_each_method_the_same_budget():
+    for name, grid in standard.GRIDS.items():
+        sizes = {method: len(settings) for method, settings in grid.items()}
+        assert len(set(sizes.values())) == 1, (name, sizes)
+        assert set(grid) == set(standard.METHODS), name
