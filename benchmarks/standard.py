@@ -49,7 +49,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import socket
 import sys
 import time
@@ -73,12 +72,12 @@ from gep_fed.data.datasets import (
     load_mnist,
     to_tensor,
 )
+from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
 from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_nonprivate
 
 DELTA = 1e-5
 OUT = RESULTS / "standard"
-CACHE = Path(os.environ.get("GEP_FED_CACHE", Path.home() / ".cache" / "gep-fed")) / "scatter"
 METHODS = ("gep", "bgep", "gp", "opacus", "nonprivate")
 PRIVATE = ("gep", "bgep", "gp", "opacus")
 
@@ -932,7 +931,9 @@ def parse_args(argv=None):
         help="tune only these indices of each method's grid",
     )
     ap.add_argument("--data-dir", default=str(SHARED_DATA))
-    ap.add_argument("--cache-dir", default=str(CACHE), help="ScatterNet feature cache")
+    ap.add_argument(
+        "--cache-dir", default=str(scatter_cache_dir()), help="ScatterNet feature cache"
+    )
     ap.add_argument(
         "--out", default=str(OUT), help="folder of the log and the table (e.g. for smoke tests)"
     )

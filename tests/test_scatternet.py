@@ -21,7 +21,7 @@ from gep_fed.data.scatternet import (
     scattering_channels,
 )
 
-pytest.importorskip("kymatio", reason="needs kymatio: pip install gep-fed[scatter]")
+pytest.importorskip("kymatio", reason="needs kymatio (a gep-fed dependency): pip install -e .")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -155,12 +155,12 @@ def test_one_gep_step_on_scatter_features():
     assert step.ledger.epsilon() > 0
 
 
-def test_missing_kymatio_names_the_extra(monkeypatch):
+def test_missing_kymatio_says_how_to_install_it(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
         scatternet.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "kymatio" else real(name, *a),
     )
-    with pytest.raises(ImportError, match=r"gep-fed\[scatter\]"):
+    with pytest.raises(ImportError, match=r"pip install 'kymatio>=0.3'"):
         ScatterNet(28, 1)

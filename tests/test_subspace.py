@@ -71,7 +71,9 @@ def test_a_step_spans_its_latest_releases_at_no_privacy_cost():
     for past in (0, 2):
         torch.manual_seed(0)
         model = MLP(20, 3, hidden=(16,))
-        config = GEPConfig(num_basis=8, noise_multiplier=1.0, sample_rate=0.5, past_releases=past)
+        config = GEPConfig(
+            num_basis=8, noise_multiplier=1.0, sample_rate=0.5, past_releases=past, basis_refresh=1
+        )
         step = GEPStep(model, public, config, dataset_size=64, generator=gen)
         released = []
         for _ in range(4):

@@ -4,12 +4,13 @@ real Flower simulation in both modes; task names are resolved or refused by name
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SHARED_DATA, shared_file
 
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.config import ConfigError, FederationConfig
-from gep_fed.data.task import resolve_task
+from gep_fed.data.task import TaskSettings, resolve_task
 from gep_fed.data.tasks import DigitsTask
 from gep_fed.flower.simulation import simulate
 
@@ -85,3 +86,59 @@ def test_cifar10_with_resnet20_gn_runs_in_both_modes_reduced(tmp_path):
         (metrics,) = result.metrics
         assert metrics["sites_ok"] == 3 and metrics["applied"]
         assert 0 <= metrics["test_accuracy"] <= 1
+
+
+def test_scatter_linear_trains_on_digits_in_a_flower_simulation(tmp_path, monkeypatch):
+    """ScatterNet features + linear head through the whole federation (the sites' Ray workers
+    compute or read the cached features of the pooled data)."""
+    monkeypatch.setenv("GEP_FED_CACHE", str(tmp_path / "cache"))
+    fed = FederationConfig(
+        task="digits",
+        model="scatter-linear",
+        rounds=2,
+        local_steps=2,
+        num_basis=8,
+        num_public=100,
+        noise_seed=0,
+        run_dir=str(tmp_path),
+        run_name="r",
+    )
+    result = simulate(fed, progress=False)
+    assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
+    assert result.metrics[-1]["test_accuracy"] > 0.2  # 10 classes: above chance after 4 steps
+
+
+def test_a_sites_scatter_features_are_computed_in_memory_never_cached(tmp_path, monkeypatch):
+    """Features of a deployed site's private file stay in its memory; only the task's own
+    (built-in, public) data sets are cached on disk."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GEP_FED_CACHE", str(cache))
+    task = DigitsTask(TaskSettings(model="scatter-linear", num_public=20))
+    rng = np.random.default_rng(0)
+    site = tmp_path / "site.npz"
+    np.savez(
+        site, images=rng.integers(0, 256, (30, 8, 8), dtype=np.uint8), labels=np.arange(30) % 10
+    )
+    x, y = task.site_dataset(str(site))[3]
+    assert tuple(x.shape) == (81, 2, 2) and int(y) == 3
+    assert not cache.exists() or not any(cache.rglob("*.pt"))
+    task.public_dataset()
+    assert len(list(cache.rglob("*.pt"))) == 1
+    assert sum(p.numel() for p in task.build_model().parameters()) == 81 * 2 * 2 * 10 + 10
+
+
+def test_fashion_mnist_serves_the_standard_split_with_scatter_features():
+    shared_file("fashion-mnist/t10k-images-idx3-ubyte.gz")
+    shared_file("kmnist/kmnist-test-imgs.npz")
+    fed = FederationConfig.for_task("fashion-mnist", data_dir=str(SHARED_DATA), num_public=40)
+    task = fed.make_task()
+    assert (len(task.train[1]), len(task.test[1])) == (60_000, 10_000)
+    x, _ = task.public_dataset()[0]
+    assert tuple(x.shape) == (81, 7, 7)
+    assert sum(p.numel() for p in task.build_model().parameters()) == 39_700
+
+
+def test_langevin_accepts_the_scatter_linear_model_it_is_convex_in():
+    FederationConfig(mechanism="langevin", mode="client", model="scatter-linear")
+    with pytest.raises(ConfigError, match="linear model only"):
+        FederationConfig(mechanism="langevin", mode="client", model="scatter-cnn")

@@ -47,6 +47,7 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
 
 
 def federation_config(args: argparse.Namespace) -> FederationConfig:
+    """The options given, over the task's recommended settings, over the defaults."""
     values = {}
     for f in fields(FederationConfig):
         value = getattr(args, f.name, None)
@@ -55,7 +56,19 @@ def federation_config(args: argparse.Namespace) -> FederationConfig:
         if f.name == "noise_multiplier":
             value = None if value == "auto" else _float(value, "--noise-multiplier")
         values[f.name] = value
-    return FederationConfig(**values)
+    fed = FederationConfig.for_task(**values)
+    from gep_fed.data.task import resolve_task
+
+    applied = {
+        k: v for k, v in resolve_task(fed.task).recommended_settings.items() if k not in values
+    }
+    if applied:
+        shown = ", ".join(
+            f"{k.replace('_', '-')}={v:g}" if isinstance(v, float) else f"{k.replace('_', '-')}={v}"
+            for k, v in applied.items()
+        )
+        print(f"task {fed.task} recommends (override with the options): {shown}", file=sys.stderr)
+    return fed
 
 
 def _float(text: str, flag: str) -> float:

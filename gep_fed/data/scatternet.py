@@ -22,7 +22,7 @@ Normalisation of the features (choose one; none uses private statistics):
   the private training set and must then be noised and accounted. Nothing here measures them
   on private data.
 
-kymatio is an optional dependency: ``pip install gep-fed[scatter]``.
+kymatio is a dependency of gep-fed (imported only when features are computed).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-SCATTER_INSTALL = "pip install gep-fed[scatter]"
+SCATTER_INSTALL = "pip install 'kymatio>=0.3'"
 DEFAULT_J, DEFAULT_L = 2, 8
 
 
@@ -54,8 +55,7 @@ def _scattering_class():
     """
     if importlib.util.find_spec("kymatio") is None:
         raise ImportError(
-            f"ScatterNet features need the optional dependency kymatio: {SCATTER_INSTALL} "
-            "(or pip install 'kymatio>=0.3')"
+            f"ScatterNet features need kymatio (a gep-fed dependency): {SCATTER_INSTALL}"
         )
     try:
         from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
@@ -92,8 +92,16 @@ class ScatterNet(nn.Module):
 
     @property
     def output_shape(self) -> tuple[int, int, int]:
-        h, w = (s // 2**self.J for s in self.image_size)
-        return (self.in_channels * scattering_channels(self.J, self.L), h, w)
+        return self.shape_for(self.image_size, self.in_channels, self.J, self.L)
+
+    @staticmethod
+    def shape_for(
+        image_size: Sequence[int], in_channels: int = 1, J: int = DEFAULT_J, L: int = DEFAULT_L
+    ) -> tuple[int, int, int]:
+        """The features' ``(C, h, w)`` for images of ``image_size`` (without building the
+        filters)."""
+        h, w = (s // 2**J for s in image_size)
+        return (in_channels * scattering_channels(J, L), h, w)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +137,13 @@ def images_to_unit(images: np.ndarray | torch.Tensor) -> torch.Tensor:
     if x.ndim == 4:
         return x.permute(0, 3, 1, 2).contiguous()
     raise ValueError(f"expected (N, H, W) or (N, H, W, C) images, got shape {array.shape}")
+
+
+def scatter_cache_dir() -> Path:
+    """Where features of public and built-in data sets are cached: ``$GEP_FED_CACHE/scatter``
+    (default ``~/.cache/gep-fed/scatter``)."""
+    root = os.environ.get("GEP_FED_CACHE") or Path.home() / ".cache" / "gep-fed"
+    return Path(root) / "scatter"
 
 
 def _fingerprint(x: torch.Tensor, J: int, L: int) -> str:

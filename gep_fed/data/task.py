@@ -23,6 +23,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import ClassVar
 
 import numpy as np
@@ -69,9 +70,15 @@ class Task(ABC):
     Attributes:
         kind: "multiclass" (int targets, cross-entropy), "binary" (one logit or two classes)
             or "multilabel" (float 0/1 targets, BCE with logits per label).
+        recommended_settings: ``FederationConfig`` fields (snake_case) that a run of this
+            task should use unless told otherwise, e.g. what won a validation sweep.
+            ``FederationConfig.for_task`` and ``gep-fed simulate/compare`` apply them below the
+            user's own options; a Flower run config states every value itself. They are
+            defaults, not limits: every privacy setting is still validated and accounted.
     """
 
     kind: ClassVar[str] = "multiclass"
+    recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType({})
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
         self.settings = settings or TaskSettings()
@@ -153,6 +160,25 @@ class ArrayImageDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = to_tensor(self.images[i : i + 1], self.mean, self.std)[0]
         return x, torch.as_tensor(self.labels[i])
+
+    def targets(self) -> np.ndarray:
+        return self.labels
+
+
+class FeatureDataset(Dataset):
+    """Per-example features computed once by a fixed, data-free transform (e.g. ScatterNet,
+    ``gep_fed.data.scatternet``), held as one float tensor, with ``int64`` labels."""
+
+    def __init__(self, features: torch.Tensor, labels: np.ndarray) -> None:
+        if len(features) != len(labels):
+            raise DataError(f"{len(features)} feature rows but {len(labels)} labels")
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.features[i], torch.as_tensor(self.labels[i])
 
     def targets(self) -> np.ndarray:
         return self.labels

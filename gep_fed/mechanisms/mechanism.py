@@ -37,17 +37,24 @@ class ClippedSums:
         embedding: ``(k,)`` sum of clipped embeddings (GEP, B-GEP), else None.
         residual: ``(p,)`` sum of clipped residuals (GEP) or clipped gradients (GP), else None.
         noised: whether calibrated Gaussian noise has been added.
+        within_clip: the number of examples whose residual was within S2 (a 0-d tensor), only
+            from a GEP that counts them for an adaptive S2 (``GEP.count_within_clip``); a
+            release of sensitivity 1, noised by ``add_noise`` with its own ``count_noise``.
     """
 
     embedding: torch.Tensor | None
     residual: torch.Tensor | None
     noised: bool = False
+    within_clip: torch.Tensor | None = None
 
     def __add__(self, other: ClippedSums) -> ClippedSums:
         if self.noised != other.noised:
             raise ValueError("cannot add noised and unnoised sums")
         return ClippedSums(
-            _add(self.embedding, other.embedding), _add(self.residual, other.residual), self.noised
+            _add(self.embedding, other.embedding),
+            _add(self.residual, other.residual),
+            self.noised,
+            _add(self.within_clip, other.within_clip),
         )
 
 
@@ -99,13 +106,22 @@ class Mechanism(ABC):
         """Standard deviations of the noise on (embedding, residual)."""
 
     @classmethod
-    def accounting_noise_multiplier(cls, noise_multiplier: float) -> float:
+    def accounting_noise_multiplier(
+        cls, noise_multiplier: float, count_noise: float | None = None
+    ) -> float:
         """The noise multiplier of the equivalent single Gaussian mechanism of sensitivity 1.
 
         Releasing ``r`` vectors each clipped to ``S_j`` with noise ``sigma * S_j`` is one Gaussian
-        mechanism on the concatenation of ``x_j / S_j``, of L2 sensitivity ``sqrt(r)``.
+        mechanism on the concatenation of ``x_j / S_j``, of L2 sensitivity ``sqrt(r)``. With
+        ``count_noise`` (the std of the noise on a count of sensitivity 1, e.g. the examples
+        within S2 for an adaptive clip) the concatenation also holds ``count / count_noise *
+        sigma``, and the equivalent multiplier is ``(r / sigma^2 + 1 / count_noise^2)^-1/2``.
         """
-        return noise_multiplier / math.sqrt(cls.releases)
+        if count_noise is None:
+            return noise_multiplier / math.sqrt(cls.releases)
+        if noise_multiplier == 0 or count_noise == 0:
+            return 0.0
+        return (cls.releases / noise_multiplier**2 + 1 / count_noise**2) ** -0.5
 
     @classmethod
     def event(
@@ -114,18 +130,20 @@ class Mechanism(ABC):
         sample_rate: float,
         steps: int = 1,
         *,
+        count_noise: float | None = None,
         party: str = "",
         round: int | None = None,
         placement: str = "local",
     ) -> PrivacyEvent:
         """``steps`` releases of this mechanism at noise multiplier sigma on Poisson samples
-        of rate q, as the accountant composes them."""
+        of rate q, as the accountant composes them (with ``count_noise``: each step also
+        releases a noised count of examples within the residual clip)."""
         return PrivacyEvent(
             cls.name,
             noise_multiplier,
             sample_rate,
             steps,
-            cls.accounting_noise_multiplier(noise_multiplier),
+            cls.accounting_noise_multiplier(noise_multiplier, count_noise),
             party=party,
             round=round,
             placement=placement,
@@ -149,20 +167,32 @@ class Mechanism(ABC):
         return self.sums(grads, subspace, clipping)
 
     def add_noise(
-        self, sums: ClippedSums, noise_multiplier: float, noise: NoiseSource
+        self,
+        sums: ClippedSums,
+        noise_multiplier: float,
+        noise: NoiseSource,
+        count_noise: float | None = None,
     ) -> ClippedSums:
-        """Add ``N(0, (noise_multiplier * S)^2)`` per coordinate to each released sum."""
+        """Add ``N(0, (noise_multiplier * S)^2)`` per coordinate to each released sum, and
+        ``N(0, count_noise^2)`` to the count of examples within the clip when there is one."""
         if sums.noised:
             raise ValueError("these sums are already noised")
         if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
             raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
         std_e, std_r = self.noise_stds(noise_multiplier)
-        emb, res = sums.embedding, sums.residual
+        emb, res, count = sums.embedding, sums.residual, sums.within_clip
         if emb is not None:
             emb = emb + noise.gaussian(emb, std_e)
         if res is not None:
             res = res + noise.gaussian(res, std_r)
-        return ClippedSums(emb, res, noised=True)
+        if count is not None:
+            if count_noise is None or not (count_noise > 0 and math.isfinite(count_noise)):
+                raise ValueError(
+                    "the count of examples within the clip is private: give its noise std "
+                    f"(count_noise > 0), got {count_noise!r}"
+                )
+            count = count + noise.gaussian(count, count_noise)
+        return ClippedSums(emb, res, noised=True, within_clip=count)
 
     def reconstruct(
         self, sums: ClippedSums, subspace: AnchorSubspace | None, expected_batch_size: float
@@ -227,10 +257,14 @@ class GEP(Mechanism):
         clip_residual: S2, the bound on each example's residual norm; the residual noise has
             standard deviation ``sigma * S2``. Accounted as one Gaussian mechanism with noise
             multiplier ``sigma / sqrt(2)``.
+        count_within_clip: also sum how many examples had their residual within S2 (for an
+            adaptive S2: ``GEPConfig.residual_quantile``); that count is a third release,
+            noised and accounted with its own ``count_noise``.
     """
 
     clip_embedding: float
     clip_residual: float
+    count_within_clip: bool = False
     name: ClassVar[str] = "gep"
     uses_subspace: ClassVar[bool] = True
     releases: ClassVar[int] = 2
@@ -273,7 +307,10 @@ class GEP(Mechanism):
         s1, s2, emb = clipping.embedding_scale, clipping.residual_scale, clipping.embedding
         # sum_i s2_i (g_i - B w_i) = G^T s2 - B (W^T s2)
         residual = grads.T @ s2 - subspace.lift(emb.T @ s2)
-        return ClippedSums(embedding=emb.T @ s1, residual=residual)
+        within = None
+        if self.count_within_clip:  # scale 1: not shrunk; dropped rows (scale 0) not counted
+            within = (s2 >= 1).sum().to(torch.float32)
+        return ClippedSums(embedding=emb.T @ s1, residual=residual, within_clip=within)
 
 
 @dataclass(frozen=True)
@@ -356,12 +393,20 @@ def calibrate_noise_multiplier(
     steps: int,
     mechanism: str | type[Mechanism] = "gep",
     tol: float = 1e-4,
+    count_noise: float | None = None,
 ) -> float:
     """The smallest sigma (up to ``tol``) whose RDP epsilon after ``steps`` releases of
     ``mechanism`` on Poisson samples of rate ``sample_rate`` is <= ``target_epsilon``.
 
     ``sigma`` is the mechanism's own noise multiplier (for GEP, before the sqrt(2) of its two
-    releases). Raises ``ImpossibleTargetError`` when no sigma up to 1e4 reaches the target.
+    releases). ``count_noise``: each step also releases a count of sensitivity 1 with this
+    noise std (adaptive S2), so sigma grows to keep the total within the target. Raises
+    ``ImpossibleTargetError`` when no sigma up to 1e4 reaches the target.
     """
     cls = mechanism_class(mechanism) if isinstance(mechanism, str) else mechanism
-    return calibrate(target_epsilon, delta, lambda s: cls.event(s, sample_rate, steps), tol)
+    return calibrate(
+        target_epsilon,
+        delta,
+        lambda s: cls.event(s, sample_rate, steps, count_noise=count_noise),
+        tol,
+    )

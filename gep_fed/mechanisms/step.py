@@ -12,9 +12,10 @@ Each call is one accounted release in ``step.ledger``.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,6 +98,8 @@ class GEPStep:
         self.canaries = canaries
         self.layout = ParameterLayout.from_model(model, config.groups)
         self.mechanism = config.contract.build_mechanism()
+        if config.residual_quantile is not None:
+            self.mechanism = replace(self.mechanism, count_within_clip=True)
         self.subspace: AnchorSubspace | None = None
         self._anchor_subspace: AnchorSubspace | None = None  # public part of ``subspace``
         self._released: deque[torch.Tensor] = deque(maxlen=config.past_releases)
@@ -192,7 +195,11 @@ class GEPStep:
         """
         config = self.config
         event = self.mechanism.event(
-            config.noise_multiplier, config.sample_rate, party=self.party, round=self.round
+            config.noise_multiplier,
+            config.sample_rate,
+            count_noise=self.count_noise,
+            party=self.party,
+            round=self.round,
         )
         self.ledger.record(event)
         refreshed = None
@@ -204,7 +211,9 @@ class GEPStep:
         if needs_basis and self._released:
             self.subspace = self._anchor_subspace.with_directions(list(self._released))
         sums = self.clipped_sums(batches)
-        noisy = self.mechanism.add_noise(sums, self.config.noise_multiplier, self.noise)
+        noisy = self.mechanism.add_noise(
+            sums, self.config.noise_multiplier, self.noise, self.count_noise
+        )
         if self.canaries is not None:
             self.canaries.observe(noisy, self.config.noise_multiplier, self.config.sample_rate)
         estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
@@ -212,7 +221,23 @@ class GEPStep:
         if self._released.maxlen:
             self._released.append(estimate.detach().clone())
         self._steps_since_refresh += 1
-        return StepReport(refreshed, self.mechanism)
+        report = StepReport(refreshed, self.mechanism)
+        if noisy.within_clip is not None:
+            self._adapt_residual_clip(float(noisy.within_clip))
+        return report
+
+    @property
+    def count_noise(self) -> float | None:
+        """Std of the noise on the count of examples within S2 (adaptive S2), else None."""
+        return self.config.quantile_count_noise if self.config.residual_quantile else None
+
+    def _adapt_residual_clip(self, noisy_count: float) -> None:
+        """Andrew et al.'s geometric update of S2 from the noised count (post-processing)."""
+        share = noisy_count / self.expected_batch_size
+        factor = math.exp(-self.config.quantile_lr * (share - self.config.residual_quantile))
+        self.mechanism = replace(
+            self.mechanism, clip_residual=self.mechanism.clip_residual * factor
+        )
 
 
 def clipped_sums_of_batches(
