@@ -297,6 +297,8 @@ LEVERS = {
         {"ema": 0.99},
         {"ema": 0.997},
         {"quantile": 0.5},
+        {"private_quantile": 0.5},
+        {"private_quantile": 0.8},
         {"k": 300},
         {"s2_ratio": 0.3},
         {"warm": 10},
@@ -314,24 +316,18 @@ for _grid in GRIDS.values():
 # Data
 
 
-def _uint8_images(ds) -> np.ndarray:
-    """Every image of a ``gep_fed.data.formats`` data set as ``uint8`` ``(N, H, W, C)``, read
-    through its own decoder (its transform, which normalises, is not applied)."""
-    return np.stack([ds._image(i) for i in range(len(ds))])
-
-
 def _cifar10(data_dir: Path) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     """(images, labels) of train, test and public data as the library's ``cifar10`` task reads
     them: CIFAR-10 binary batches 1-2, batch 5, and Tiny-ImageNet's 32x32 validation images."""
     from gep_fed.data.task import TaskSettings
     from gep_fed.data.tasks import Cifar10Task
 
-    task = Cifar10Task(TaskSettings(data_dir=str(data_dir)))
+    task = Cifar10Task(TaskSettings(data_dir=str(data_dir), model="resnet20"))
     try:
         sets = (task.train_dataset(), task.eval_dataset(), task.public_dataset())
     except DataError as err:
         raise SystemExit(f"CIFAR-10 benchmark data: {err}") from err
-    return tuple((_uint8_images(ds), ds.targets()) for ds in sets)
+    return tuple((ds.uint8_images(), ds.targets()) for ds in sets)
 
 
 class Data:
@@ -416,10 +412,18 @@ def build_model(args, data: Data) -> torch.nn.Module:
 
 
 @functools.lru_cache(maxsize=512)
-def epsilons(mechanism: str, sigma: float, q: float, steps: int) -> tuple[float, float]:
-    """(RDP, PLD) epsilon at DELTA of ``steps`` Poisson-sampled releases."""
-    events = [mechanism_class(mechanism).event(sigma, q, steps)]
+def epsilons(
+    mechanism: str, sigma: float, q: float, steps: int, count_noise: float | None = None
+) -> tuple[float, float]:
+    """(RDP, PLD) epsilon at DELTA of ``steps`` Poisson-sampled releases (with
+    ``count_noise``: and the adaptive S2's noised counts)."""
+    events = [mechanism_class(mechanism).event(sigma, q, steps, count_noise=count_noise)]
     return epsilon_rdp(events, DELTA), epsilon_pld(events, DELTA)
+
+
+# Lever 5: the count of examples within S2 gets noise of std (expected batch) / 20, Andrew et
+# al.'s choice ("Differentially Private Learning with Adaptive Clipping", NeurIPS 2021)
+COUNT_NOISE_SHARE = 1 / 20
 
 
 def schedule(n: int, batch: int, epochs: int) -> tuple[float, int]:
@@ -572,8 +576,13 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
     else:
         mech = "gp" if method == "opacus" else method
         tan = args.tan if stage == "tune" else 1
-        sigma_target = calibrate_noise_multiplier(args.epsilon, DELTA, q, steps, mech)
+        adaptive = setting.get("private_quantile")  # S2 from an accounted, noised count
+        count_target = None if adaptive is None else q * n * COUNT_NOISE_SHARE
+        sigma_target = calibrate_noise_multiplier(
+            args.epsilon, DELTA, q, steps, mech, count_noise=count_target
+        )
         sigma, q_run = sigma_target / tan, q / tan
+        count_run = None if adaptive is None else count_target / tan  # TAN: same per example
         rec.update(
             sigma=sigma,
             q=q_run,
@@ -601,6 +610,8 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 basis_refresh=setting.get("refresh", 1),
                 past_releases=setting.get("past", 0),
                 clip_quantile=setting.get("quantile"),
+                residual_quantile=adaptive,
+                quantile_count_noise=count_run,
                 max_chunk=args.max_chunk,
             )
             accuracy, ledger = train_library(
@@ -617,10 +628,10 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 ema=setting.get("ema"),
             )
             rec["ledger_epsilon_rdp"] = ledger.epsilon()
-        rec["epsilon_rdp"], rec["epsilon_pld"] = epsilons(mech, sigma, q_run, steps)
+        rec["epsilon_rdp"], rec["epsilon_pld"] = epsilons(mech, sigma, q_run, steps, count_run)
         if tan != 1:
             rec["target"]["epsilon_rdp"], rec["target"]["epsilon_pld"] = epsilons(
-                mech, sigma_target, q, steps
+                mech, sigma_target, q, steps, count_target
             )
     rec.update(
         accuracy=accuracy,
@@ -689,6 +700,8 @@ def fmt_setting(method: str, s: dict) -> str:
         parts.append(f"warm start {s['warm']} public epochs")
     if s.get("quantile"):
         parts.append(f"S1,S2=public q{s['quantile']:g}")
+    if s.get("private_quantile"):
+        parts.append(f"S2=private q{s['private_quantile']:g} (count noise B/20, accounted)")
     return " ".join(parts)
 
 

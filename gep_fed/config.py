@@ -360,8 +360,8 @@ class FederationConfig:
     model: str = _opt(
         "auto",
         "architecture, as the task understands it (built-in tasks: auto = mlp for digits, "
-        "scatter-linear for fashion-mnist, cnn otherwise; cnn, mlp, linear, scatter-linear, "
-        "scatter-cnn)",
+        "scatter-linear for fashion-mnist and cifar10, cnn otherwise; cnn, mlp, linear, "
+        "scatter-linear, scatter-cnn; cifar10: scatter-linear, resnet20, cnn)",
     )
     data_dir: str = _opt("../shared/data", "folder with mnist/, kmnist/, medmnist/")
     medmnist_path: str = _opt("", "a MedMNIST <flag>.npz for task medmnist")

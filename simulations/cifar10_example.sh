@@ -8,9 +8,10 @@ data=${1:-../shared/data}
 runs=${2:-runs/cifar10}
 for mode in central client; do
   if [ "$mode" = central ]; then lr=0.1; momentum=0.9; else lr=1.0; momentum=0.0; fi
-  gep-fed simulate --task cifar10 --data-dir "$data" --mode "$mode" --target-epsilon 8 \
+  gep-fed simulate --task cifar10 --model resnet20 --data-dir "$data" --mode "$mode" \
+    --target-epsilon 8 --server-momentum "$momentum" --local-momentum 0 \
     --rounds 60 --local-steps 3 --sample-rate 0.05 --num-basis 500 --num-anchors 1000 \
-    --basis-refresh 5 --clip-embedding 5 --clip-residual 2 --server-lr "$lr" \
-    --server-momentum "$momentum" --local-lr 0.1 --num-public 2000 --run-dir "$runs" \
+    --basis-refresh 5 --clip-embedding 5 --clip-residual 2 --clip-norm 1 --server-lr "$lr" \
+    --local-lr 0.1 --num-public 2000 --run-dir "$runs" \
     --run-name "cifar10-$mode"
 done

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from gep_fed.config import ConfigError, FederationConfig, GEPConfig, PrivacyContract
-from gep_fed.data.tasks import BUILT_IN_TASKS, FashionMnistTask
+from gep_fed.data.tasks import BUILT_IN_TASKS, Cifar10Task, FashionMnistTask
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 standard = pytest.importorskip("standard")
 
 # the protocol grid each data set's table was chosen from
 GRIDS = {"mnist": "main2", "fmnist": "main2", "cifar10": "cifar"}
-N_TRAIN = {"fmnist": 60_000}
+N_TRAIN = {"fmnist": 60_000, "cifar10": 20_000}
 MOMENTUM = 0.9  # benchmarks/standard.py trains every private method with SGD momentum 0.9
 
 
@@ -67,11 +67,12 @@ def test_the_privacy_contract_defaults_are_the_step_configs():
     )
 
 
-def test_fashion_mnist_recommends_its_validation_winner():
-    gep, gp = validation_winner("fmnist", "gep"), validation_winner("fmnist", "gp")
-    q, steps = standard.schedule(N_TRAIN["fmnist"], gep["batch"], gep["epochs"])
-    rec = FashionMnistTask.recommended_settings
-    assert rec["model"] == "scatter-linear" and FashionMnistTask.default_model == "scatter-linear"
+@pytest.mark.parametrize("dataset, task", [("fmnist", FashionMnistTask), ("cifar10", Cifar10Task)])
+def test_a_task_recommends_its_data_sets_validation_winner(dataset, task):
+    gep, gp = validation_winner(dataset, "gep"), validation_winner(dataset, "gp")
+    q, steps = standard.schedule(N_TRAIN[dataset], gep["batch"], gep["epochs"])
+    rec = task.recommended_settings
+    assert rec["model"] == "scatter-linear" and task.default_model == "scatter-linear"
     assert rec["sample_rate"] == pytest.approx(q) and rec["rounds"] == steps
     assert rec["server_lr"] == gep["lr"] and rec["server_momentum"] == MOMENTUM
     assert (rec["clip_embedding"], rec["num_basis"], rec["basis_refresh"]) == (
@@ -80,11 +81,16 @@ def test_fashion_mnist_recommends_its_validation_winner():
         gep["refresh"],
     )
     assert rec["clip_residual"] == pytest.approx(gep["clip"] * gep["s2_ratio"])
-    assert rec["num_public"] == gep["anchors"]  # every public example is an anchor
+    assert rec["num_anchors"] == gep["anchors"]
     assert rec["clip_norm"] == gp["clip"]
     # client mode: one local step of lr 1 per round, so the server's step moves the model as
     # far per private step as central mode's
     assert rec["local_steps"] == 1 and rec["local_lr"] == 1.0 and rec["local_momentum"] == 0.0
+
+
+def test_fashion_mnist_holds_the_benchmarks_public_anchor_pool():
+    # benchmarks/standard.py held 2,000 KMNIST images and drew 1,000 anchors per subspace
+    assert FashionMnistTask.recommended_settings["num_public"] == 2000
 
 
 def test_a_tasks_recommendations_apply_below_the_users_own_settings():
@@ -109,5 +115,6 @@ def test_an_unknown_task_or_recommended_setting_is_refused_by_name(monkeypatch):
 
 
 def test_the_recommended_sample_rate_takes_a_whole_number_of_batches_per_epoch():
-    q = FashionMnistTask.recommended_settings["sample_rate"]
-    assert math.isclose(1 / q, round(1 / q))
+    for task in (FashionMnistTask, Cifar10Task):
+        q = task.recommended_settings["sample_rate"]
+        assert math.isclose(1 / q, round(1 / q))

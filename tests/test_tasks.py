@@ -71,6 +71,7 @@ def test_cifar10_with_resnet20_gn_runs_in_both_modes_reduced(tmp_path):
     for mode in ("central", "client"):
         fed = FederationConfig(
             task="cifar10",
+            model="resnet20",
             data_dir=str(SHARED_DATA),
             mode=mode,
             rounds=1,
@@ -125,6 +126,23 @@ def test_a_sites_scatter_features_are_computed_in_memory_never_cached(tmp_path, 
     task.public_dataset()
     assert len(list(cache.rglob("*.pt"))) == 1
     assert sum(p.numel() for p in task.build_model().parameters()) == 81 * 2 * 2 * 10 + 10
+
+
+def test_a_cifar10_sites_file_is_served_as_scatter_features_never_cached(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GEP_FED_CACHE", str(cache))
+    rng = np.random.default_rng(0)
+    records = np.concatenate(
+        [np.arange(5, dtype=np.uint8)[:, None], rng.integers(0, 256, (5, 3072), dtype=np.uint8)],
+        axis=1,
+    )
+    site = tmp_path / "site.bin"
+    records.tofile(site)
+    task = resolve_task("cifar10")(TaskSettings(data_dir=str(tmp_path)))
+    x, y = task.site_dataset(str(site))[2]
+    assert tuple(x.shape) == (243, 8, 8) and int(y) == 2
+    assert not cache.exists()
+    assert sum(p.numel() for p in task.build_model().parameters()) == 243 * 64 * 10 + 10
 
 
 def test_fashion_mnist_serves_the_standard_split_with_scatter_features():

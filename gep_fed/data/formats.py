@@ -162,6 +162,12 @@ class ImageDataset(Dataset, ABC):
             raise IndexError(f"index {index} is out of range for {n} examples")
         return self.transform(self._image(i)), torch.tensor(self._targets[i])
 
+    def uint8_images(self) -> np.ndarray:
+        """Every image decoded, before the transform, as one ``uint8`` ``(N, H, W[, C])``
+        array (for a fixed front end computed once, e.g. ScatterNet features): reads the
+        whole data set into memory, so for data sets that fit."""
+        return np.stack([self._image(i) for i in range(len(self))])
+
     @abstractmethod
     def _image(self, i: int) -> np.ndarray:
         """Example ``i`` decoded now, as ``uint8`` ``(H, W)`` or ``(H, W, C)``."""
