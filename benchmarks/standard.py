@@ -299,6 +299,7 @@ LEVERS = {
         {"quantile": 0.5},
         {"private_quantile": 0.5},
         {"private_quantile": 0.8},
+        {"private_quantile": 0.2},
         {"k": 300},
         {"s2_ratio": 0.3},
         {"warm": 10},

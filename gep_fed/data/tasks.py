@@ -36,6 +36,14 @@ import numpy as np
 from torch import nn
 from torch.utils.data import Dataset
 
+from gep_fed.config import (
+    DEFAULT_BASIS_REFRESH,
+    DEFAULT_CLIP_EMBEDDING,
+    DEFAULT_CLIP_NORM,
+    DEFAULT_CLIP_RESIDUAL,
+    DEFAULT_NUM_ANCHORS,
+    DEFAULT_NUM_BASIS,
+)
 from gep_fed.data.datasets import (
     MNIST_MEAN,
     MNIST_STD,
@@ -170,6 +178,36 @@ class MnistTask(ArrayTask):
         super().__init__(settings, train, test, public, MNIST_MEAN, MNIST_STD)
 
 
+def scatter_linear_winner(
+    sample_rate: float, rounds: int, lr: float, **settings: object
+) -> Mapping[str, object]:
+    """A task's recommended settings: ScatterNet + linear with GEP's step that won on
+    validation in ``benchmarks/standard.py``: its own batch, epochs and lr, and the step every
+    data set chose (``GEPConfig``'s defaults: S1 = 0.1, S2 = 0.05, GP's S = 0.1, k = 100 from
+    1,000 anchors, a new subspace every 20 steps), server momentum 0.9 as the benchmark's SGD.
+    Client mode takes one local step of lr 1 per round, so the server's step moves the model
+    as far per private step as in central mode."""
+    return MappingProxyType(
+        {
+            "model": "scatter-linear",
+            "sample_rate": sample_rate,
+            "rounds": rounds,
+            "clip_embedding": DEFAULT_CLIP_EMBEDDING,
+            "clip_residual": DEFAULT_CLIP_RESIDUAL,
+            "clip_norm": DEFAULT_CLIP_NORM,
+            "num_basis": DEFAULT_NUM_BASIS,
+            "num_anchors": DEFAULT_NUM_ANCHORS,
+            "basis_refresh": DEFAULT_BASIS_REFRESH,
+            "server_lr": lr,
+            "server_momentum": 0.9,
+            "local_steps": 1,
+            "local_lr": 1.0,
+            "local_momentum": 0.0,
+            **settings,
+        }
+    )
+
+
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = 0.2860, 0.3530  # the published constants, declared
 
 
@@ -181,29 +219,11 @@ class FashionMnistTask(ArrayTask):
     q = 1/15, for 20 epochs = 300 steps, lr 8 with momentum 0.9, S1 = 0.1, S2 = 0.05,
     k = 100 from 1,000 of 2,000 KMNIST anchors, a new subspace every 20 steps; GP's winning
     clip S = 0.1).
-    Client mode takes one local step per round at lr 1, so that the server's step (lr 8,
-    momentum 0.9) moves the model as far per private step as in central mode.
     """
 
     default_model = "scatter-linear"
-    recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType(
-        {
-            "model": "scatter-linear",
-            "sample_rate": 1 / 15,
-            "rounds": 300,
-            "clip_embedding": 0.1,
-            "clip_residual": 0.05,
-            "clip_norm": 0.1,
-            "num_basis": 100,
-            "num_public": 2000,
-            "num_anchors": 1000,
-            "basis_refresh": 20,
-            "server_lr": 8.0,
-            "server_momentum": 0.9,
-            "local_steps": 1,
-            "local_lr": 1.0,
-            "local_momentum": 0.0,
-        }
+    recommended_settings: ClassVar[Mapping[str, object]] = scatter_linear_winner(
+        sample_rate=1 / 15, rounds=300, lr=8.0, num_public=2000
     )
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
@@ -256,23 +276,8 @@ class Cifar10Task(Task):
     """
 
     default_model = "scatter-linear"
-    recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType(
-        {
-            "model": "scatter-linear",
-            "sample_rate": 1 / 10,
-            "rounds": 300,
-            "clip_embedding": 0.1,
-            "clip_residual": 0.05,
-            "clip_norm": 0.1,
-            "num_basis": 100,
-            "num_anchors": 1000,
-            "basis_refresh": 20,
-            "server_lr": 4.0,
-            "server_momentum": 0.9,
-            "local_steps": 1,
-            "local_lr": 1.0,
-            "local_momentum": 0.0,
-        }
+    recommended_settings: ClassVar[Mapping[str, object]] = scatter_linear_winner(
+        sample_rate=1 / 10, rounds=300, lr=4.0
     )
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
