@@ -300,6 +300,7 @@ LEVERS = {
         {"private_quantile": 0.5},
         {"private_quantile": 0.8},
         {"private_quantile": 0.2},
+        {"private_quantile": 0.95},
         {"k": 300},
         {"s2_ratio": 0.3},
         {"warm": 10},

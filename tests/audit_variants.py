@@ -31,7 +31,7 @@ def noise_halved():
     return _patched(
         Mechanism,
         "add_noise",
-        lambda self, sums, sigma, noise: add_noise(self, sums, sigma / 2, noise),
+        lambda self, sums, sigma, *rest: add_noise(self, sums, sigma / 2, *rest),
     )
 
 
@@ -41,7 +41,7 @@ def noise_quartered():
     return _patched(
         Mechanism,
         "add_noise",
-        lambda self, sums, sigma, noise: add_noise(self, sums, sigma / 4, noise),
+        lambda self, sums, sigma, *rest: add_noise(self, sums, sigma / 4, *rest),
     )
 
 
