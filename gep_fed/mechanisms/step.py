@@ -229,7 +229,8 @@ class GEPStep:
     @property
     def count_noise(self) -> float | None:
         """Std of the noise on the count of examples within S2 (adaptive S2), else None."""
-        return self.config.quantile_count_noise if self.config.residual_quantile else None
+        config = self.config
+        return config.quantile_count_noise if config.residual_quantile is not None else None
 
     def _adapt_residual_clip(self, noisy_count: float) -> None:
         """Andrew et al.'s geometric update of S2 from the noised count (post-processing)."""
