@@ -6,10 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import SHARED_DATA, shared_file
 
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.data.datasets import DataError
 from gep_fed.data.task import TaskSettings, resolve_task
 from gep_fed.data.tasks import DigitsTask
 from gep_fed.flower.simulation import simulate
@@ -123,7 +125,7 @@ def test_a_sites_scatter_features_are_computed_in_memory_never_cached(tmp_path, 
     x, y = task.site_dataset(str(site))[3]
     assert tuple(x.shape) == (81, 2, 2) and int(y) == 3
     assert not cache.exists() or not any(cache.rglob("*.pt"))
-    task.public_dataset()
+    task.public_dataset()[0]  # the task's own (public) data: computed on first read, cached
     assert len(list(cache.rglob("*.pt"))) == 1
     assert sum(p.numel() for p in task.build_model().parameters()) == 81 * 2 * 2 * 10 + 10
 
@@ -160,3 +162,17 @@ def test_langevin_accepts_the_scatter_linear_model_it_is_convex_in():
     FederationConfig(mechanism="langevin", mode="client", model="scatter-linear")
     with pytest.raises(ConfigError, match="linear model only"):
         FederationConfig(mechanism="langevin", mode="client", model="scatter-cnn")
+
+
+def test_counting_or_partitioning_pooled_features_does_not_compute_them():
+    """A central-mode server counts the pooled data and a simulation partitions it by label;
+    neither needs the features (60,000 x 3,969 floats for Fashion-MNIST)."""
+    from gep_fed.data.task import FeatureDataset
+
+    def never():
+        raise AssertionError("features computed")
+
+    ds = FeatureDataset(never, np.arange(5) % 2)
+    assert len(ds) == 5 and list(ds.targets()) == [0, 1, 0, 1, 0]
+    with pytest.raises(DataError, match="3 feature rows but 5 labels"):
+        FeatureDataset(lambda: torch.zeros(3, 2), np.arange(5))[0]

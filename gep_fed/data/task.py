@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar
@@ -167,12 +167,29 @@ class ArrayImageDataset(Dataset):
 
 class FeatureDataset(Dataset):
     """Per-example features computed once by a fixed, data-free transform (e.g. ScatterNet,
-    ``gep_fed.data.scatternet``), held as one float tensor, with ``int64`` labels."""
+    ``gep_fed.data.scatternet``), held as one float tensor, with ``int64`` labels.
 
-    def __init__(self, features: torch.Tensor, labels: np.ndarray) -> None:
-        if len(features) != len(labels):
-            raise DataError(f"{len(features)} feature rows but {len(labels)} labels")
-        self.features, self.labels = features, labels
+    ``features`` may be a function that computes them: it is called on the first example
+    read, so ``len`` and ``targets()`` (a server counting the pooled data, a simulation
+    partitioning it) never compute or load them."""
+
+    def __init__(
+        self, features: torch.Tensor | Callable[[], torch.Tensor], labels: np.ndarray
+    ) -> None:
+        self._features, self.labels = features, labels
+        if isinstance(features, torch.Tensor):
+            self._check(features)
+
+    def _check(self, features: torch.Tensor) -> torch.Tensor:
+        if len(features) != len(self.labels):
+            raise DataError(f"{len(features)} feature rows but {len(self.labels)} labels")
+        return features
+
+    @property
+    def features(self) -> torch.Tensor:
+        if callable(self._features):
+            self._features = self._check(self._features())
+        return self._features
 
     def __len__(self) -> int:
         return len(self.labels)

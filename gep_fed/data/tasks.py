@@ -27,7 +27,7 @@ site's features are computed in memory and never cached.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import ClassVar
@@ -65,6 +65,24 @@ SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
 ARCHITECTURES = ("auto", "cnn", "mlp", "linear", *SCATTER_MODELS)
 # Normalisation constants are declared, never measured on private data.
 GENERIC_MEAN, GENERIC_STD = 0.5, 0.5
+
+
+def scatter_dataset(
+    read_images: Callable[[], np.ndarray], labels: np.ndarray, cache: bool
+) -> FeatureDataset:
+    """The ScatterNet features of ``read_images()``.
+
+    ``cache=True`` (the task's own, built-in or public data sets): stored on disk and computed
+    on the first example read, so a server that only counts the pooled data never loads them.
+    ``cache=False`` (a deployed site's private file): computed now, in memory, never stored,
+    and once: ``DataLoader`` workers share the result instead of each computing it."""
+
+    def features():
+        from gep_fed.data.scatternet import scatter_cache_dir, scatter_features
+
+        return scatter_features(read_images(), cache_dir=scatter_cache_dir() if cache else None)
+
+    return FeatureDataset(features if cache else features(), labels)
 
 
 class ArrayTask(Task):
@@ -119,10 +137,7 @@ class ArrayTask(Task):
         """Pixels, or the ScatterNet features of the images (computed once; cached on disk
         for the task's own data sets only, ``cache=False`` for a site's file)."""
         if self.architecture in SCATTER_MODELS:
-            from gep_fed.data.scatternet import scatter_cache_dir, scatter_features
-
-            features = scatter_features(images, cache_dir=scatter_cache_dir() if cache else None)
-            return FeatureDataset(features, labels)
+            return scatter_dataset(lambda: images, labels, cache)
         return ArrayImageDataset(images, labels, self.mean, self.std)
 
     def train_dataset(self) -> Dataset:
@@ -308,11 +323,7 @@ class Cifar10Task(Task):
         disk for the task's own data sets only)."""
         if self.architecture != "scatter-linear":
             return dataset
-        from gep_fed.data.scatternet import scatter_cache_dir, scatter_features
-
-        cache_dir = scatter_cache_dir() if cache else None
-        features = scatter_features(dataset.uint8_images(), cache_dir=cache_dir)
-        return FeatureDataset(features, dataset.targets())
+        return scatter_dataset(dataset.uint8_images, dataset.targets(), cache)
 
     def train_dataset(self) -> Dataset:
         return self._served(Cifar10Dataset([self.batches[1], self.batches[2]], self.transform))
