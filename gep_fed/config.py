@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.mechanisms.clip_bounds import CLIP_BOUND_RANGE
 from gep_fed.mechanisms.mechanism import GP, Mechanism, mechanism_class
 
 MECHANISMS = ("gep", "bgep", "gp")
@@ -54,7 +55,10 @@ class PrivacyContract:
             sample; smaller amplifies privacy.
         clip_embedding, clip_residual: S1 and S2, per-example bounds of the embedding and the
             residual (GEP, B-GEP); their noise is ``sigma * S1`` and ``sigma * S2``.
-        clip_norm: S, per-example gradient bound (GP; Langevin's G).
+        clip_norm: S, per-example gradient bound (GP; Langevin's G). Clip norms must lie in
+            ``CLIP_BOUND_RANGE`` (1e-30 to 1e30): there every bound holds in float32 with the
+            proven rounding margins of ``gep_fed.mechanisms.clip_bounds``; a round config
+            outside it is refused as malformed.
         langevin_beta0: Langevin's prior variance. It scales the noise and the step sizes of
             the multi-pass schedule together, so it shapes training, not privacy: multi-pass
             epsilon depends only on the steps, the batch, n and delta.
@@ -72,8 +76,9 @@ class PrivacyContract:
         _choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
         _number("noise_multiplier", self.noise_multiplier, low=0, low_open=False)
         _number("sample_rate", self.sample_rate, low=0, high=1)
+        low, high = CLIP_BOUND_RANGE
         for name in ("clip_embedding", "clip_residual", "clip_norm"):
-            _number(name, getattr(self, name), low=0)
+            _number(name, getattr(self, name), low=low, high=high, low_open=False)
         _number("langevin_beta0", self.langevin_beta0, low=0, low_open=self.is_langevin)
 
     @property

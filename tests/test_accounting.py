@@ -220,3 +220,97 @@ def test_a_ledger_key_must_be_private_and_is_never_replaced(tmp_path):
         read_ledger_key(key_path)
     with pytest.raises(LedgerError, match="missing"):
         read_ledger_key(tmp_path / "none.key")
+
+
+# -- issue 19, points 5 and 7: rollback and durability ---------------------------------------
+
+
+def keyed_ledger(tmp_path, steps: int = 0) -> PrivacyLedger:
+    path = tmp_path / "site.json"
+    key = create_ledger_key(default_key_path(path))
+    ledger = PrivacyLedger.open(path, 1e-5, owner="site-0", key=key, create=True)
+    if steps:
+        ledger.record(GEP.event(1.0, 0.1, steps))
+    return ledger
+
+
+def test_a_restored_older_ledger_is_refused_naming_both_figures_and_left_untouched(tmp_path):
+    """Point 5: yesterday's copy, HMAC intact, copied back over today's ledger."""
+    ledger = keyed_ledger(tmp_path, steps=10)
+    backup = ledger.path.read_text()
+    ledger.record(GEP.event(1.0, 0.1, 100))
+    today = PrivacyLedger.load_keyed(ledger.path)
+    assert today.steps == 110
+    ledger.path.write_text(backup)
+    with pytest.raises(LedgerError) as err:
+        PrivacyLedger.load_keyed(ledger.path)
+    message = str(err.value)
+    assert "10 step(s)" in message and "110 step(s)" in message
+    assert f"{today.epsilon():.4f}" in message
+    assert ledger.path.read_text() == backup  # left as found
+    with pytest.raises(LedgerError):
+        PrivacyLedger.open(ledger.path, 1e-5, key=ledger.key)
+
+
+def test_a_deleted_or_forged_high_water_mark_refuses_the_ledger(tmp_path):
+    ledger = keyed_ledger(tmp_path, steps=3)
+    mark = ledger.mark_path
+    assert mark == tmp_path / "site.json.key.mark"
+    text = mark.read_text()
+    mark.write_text(text.replace('"steps": 3', '"steps": 0'))
+    with pytest.raises(LedgerError, match="HMAC"):
+        PrivacyLedger.load_keyed(ledger.path)
+    mark.unlink()
+    with pytest.raises(LedgerError, match=r"mark .* is missing"):
+        PrivacyLedger.load_keyed(ledger.path)
+    # nor can a fresh ledger be created over the history the mark records
+    mark.write_text(text)
+    ledger.path.unlink()
+    with pytest.raises(LedgerError, match=r"high-water mark .* exists"):
+        PrivacyLedger.open(ledger.path, 1e-5, key=ledger.key, create=True)
+
+
+def test_the_high_water_mark_only_rises_and_follows_every_save(tmp_path):
+    ledger = keyed_ledger(tmp_path)
+    for steps in (1, 2, 5):
+        ledger.record(GP.event(1.0, 0.1, steps))
+        reopened = PrivacyLedger.load_keyed(ledger.path)
+        assert reopened.steps == ledger.steps
+
+
+def test_the_ledger_cli_marks_a_ledger_made_before_marks_once(tmp_path, capsys):
+    from gep_fed.cli.main import main
+
+    ledger = keyed_ledger(tmp_path, steps=4)
+    ledger.mark_path.unlink()
+    assert main(["ledger", "show", str(ledger.path)]) == 2
+    assert main(["ledger", "mark", str(ledger.path)]) == 0
+    assert "4 step(s)" in capsys.readouterr().out
+    assert main(["ledger", "show", str(ledger.path)]) == 0
+    assert main(["ledger", "mark", str(ledger.path)]) == 2  # a mark is never re-made
+
+
+def test_a_ledger_save_fsyncs_its_directory_after_the_rename(tmp_path, monkeypatch):
+    """Point 7: the rename lives in the directory; without fsyncing it, a power loss after
+    the release can bring back the old file, and the ledger under-counts."""
+    import os
+    import stat
+
+    calls = []
+    real_replace, real_fsync = os.replace, os.fsync
+
+    def replace(src, dst):
+        calls.append(("replace", str(dst)))
+        return real_replace(src, dst)
+
+    def fsync(fd):
+        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        calls.append(("fsync", kind))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    ledger = PrivacyLedger(1e-5, path=tmp_path / "l.json")
+    ledger.record(GP.event(1.0, 0.1, 1))
+    renamed = calls.index(("replace", str(tmp_path / "l.json")))
+    assert ("fsync", "dir") in calls[renamed + 1 :]

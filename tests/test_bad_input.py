@@ -102,15 +102,25 @@ def test_plausibility_bound_allows_honest_sums(tmp_path, digits):
     server.check_plausible(honest, "site")  # norm = S2 * expected batch: fine
 
 
-SITE = {"site-id": "h1", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5}
+SITE = {
+    "site-id": "h1",
+    "task": "digits",
+    "data-path": "/x.npz",
+    "ledger-path": "/l.json",
+    "delta": 1e-5,
+}
 
 
 @pytest.mark.parametrize(
     "node_config, problem",
     [
-        ({"data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5}, "site-id"),
+        ({"task": "digits", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5},
+         "site-id"),
         ({**SITE, "ledger-path": None}, "ledger-path"),
-        ({"site-id": "h1", "ledger-path": "/l.json", "delta": 1e-5}, "data-path"),
+        ({"site-id": "h1", "task": "digits", "ledger-path": "/l.json", "delta": 1e-5},
+         "data-path"),
+        ({"site-id": "h1", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5},
+         "task"),
         ({**SITE, "delta": None}, "delta"),
         (SITE, "epsilon-budget"),
         ({**SITE, "epsilon-budget": -1.0}, "epsilon-budget"),

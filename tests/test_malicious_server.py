@@ -61,6 +61,7 @@ def hospital(tmp_path):
     )
     return {
         "site-id": "h1",
+        "task": "digits",
         "data-path": str(path),
         "ledger-path": str(ledger),
         "epsilon-budget": BUDGET,
@@ -73,7 +74,7 @@ def site_ledger(node_config) -> PrivacyLedger:
     return PrivacyLedger.load_keyed(node_config["ledger-path"])
 
 
-def make_server(tmp_path, task, **settings) -> FederationServer:
+def make_server(tmp_path, built_task, **settings) -> FederationServer:
     base = dict(
         num_basis=16,
         sample_rate=0.1,
@@ -86,7 +87,9 @@ def make_server(tmp_path, task, **settings) -> FederationServer:
     fed = FederationConfig(**{**base, **settings})
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
+    return FederationServer(
+        fed, built_task, run, total_examples=len(built_task.train_dataset())
+    )
 
 
 def round_message(server, rnd, rc_changes=None, record_changes=None, state=None, basis=None):
@@ -351,3 +354,203 @@ def test_a_site_that_opted_into_central_mode_records_it_as_trusted_server_noise(
     assert not reply.has_error() and wire.CLIPPED_SUMS in reply.content.array_records
     (event,) = site_ledger(hospital).events
     assert event.placement == "trusted-server" and event.party == "h1"
+
+
+# -- issue 19: what the site runs and checks ---------------------------------------------------
+
+
+class DigitsFolders(DigitsTask):
+    """The digits task with a site's data as PNG class folders (a user's task: named by its
+    import path, read one sampled image at a time)."""
+
+    def site_dataset(self, data_path):
+        from gep_fed.data.formats import ImageFolderDataset, ImageTransform
+
+        transform = ImageTransform(channels=1, mean=0.5, std=0.5)
+        return ImageFolderDataset(data_path, transform, classes=[str(c) for c in range(10)])
+
+
+def deployed(node_config, run_config) -> Context:
+    """A deployed site's context under ``flwr run``: only the run config's strings arrive."""
+    return Context(1, 1, node_config, RecordDict(), run_config)
+
+
+def test_a_run_config_naming_another_task_is_refused_before_anything_is_imported(
+    tmp_path, digits, hospital, monkeypatch
+):
+    """Point 2: the task comes from the site's node config; a server's import path is only
+    compared with it, never imported (its module's side effects would run at the site)."""
+    import sys
+
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_task.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    server = make_server(tmp_path, digits)
+    for task in ("evil_task:Evil", "pneumonia"):
+        run_config = {**server.cfg.to_record(), "task": task}
+        reply = client_app.handle_train(round_message(server, 1), deployed(hospital, run_config))
+        assert refused(reply, "malformed round")
+    assert not marker.exists() and "evil_task" not in sys.modules
+    assert not client_app._SITES  # nothing was built: the site's data was never read
+    assert site_ledger(hospital).steps == 0
+    # another model than the node config's is refused the same way
+    run_config = {**server.cfg.to_record(), "model": "cnn"}
+    reply = client_app.handle_train(round_message(server, 1), deployed(hospital, run_config))
+    assert refused(reply, "malformed round")
+    # the site's own task, named by the run config as the node config does, trains
+    reply = client_app.handle_train(
+        round_message(server, 1), deployed(hospital, server.cfg.to_record())
+    )
+    assert not reply.has_error() and site_ledger(hospital).steps == 2
+
+
+def test_a_node_config_without_a_task_is_a_clear_error_at_the_site(tmp_path, digits, hospital):
+    from gep_fed.config import ConfigError
+    from gep_fed.federation.policy import SiteConfig
+
+    unpinned = {k: v for k, v in hospital.items() if k != "task"}
+    with pytest.raises(ConfigError, match="node config needs 'task'"):
+        SiteConfig.from_node_config(unpinned)
+    server = make_server(tmp_path, digits)
+    reply, _ = answer(round_message(server, 1), unpinned, server.cfg)
+    assert refused(reply, "malformed round")
+
+
+def test_an_example_with_a_label_the_task_lacks_is_dropped_not_an_error(
+    tmp_path, digits, hospital
+):
+    """Point 2: two site data sets that differ in one label (a valid 1 against 10, which the
+    10-class task lacks) both give an ordinary release; the bad example gets clip factor 0,
+    exactly as if it were absent."""
+    from gep_fed.federation.policy import SitePolicy
+    from gep_fed.federation.site import Site
+    from gep_fed.mechanisms.step import clipped_sums_of_batches
+
+    data = load_digits().subset(np.arange(400))
+    labels = data.labels.copy()
+    labels[7] = 10
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, images=data.images, labels=labels)
+    server = make_server(tmp_path, digits, sample_rate=1.0)
+    for path in (hospital["data-path"], str(bad)):
+        client_app._SITES.clear()
+        site = {**hospital, "data-path": path, "epsilon-budget": 100.0}
+        reply, _ = answer(round_message(server, 1), site, server.cfg)
+        assert not reply.has_error()
+        assert_data_free(reply)
+    # both rounds accounted alike: 2 steps each, in one ledger
+    assert site_ledger(hospital).steps == 4
+    # the dropped example contributes nothing: sums equal those without it
+    site = Site("s", digits.build_model(), digits.site_dataset(str(bad)),
+                SitePolicy(epsilon_budget=1.0, delta=1e-5))
+    assert site.dataset.problem(7).startswith("target 10")
+    plan = server.plan_round(1)
+    site.load_state(wire.decode_state(
+        {k: wire.as_wire_array(v) for k, v in plan.state.items()}, site.model.state_dict()))
+    mech = plan.config.privacy.build_mechanism()
+    with_bad = clipped_sums_of_batches(
+        site.model, site.loss_fn, site.batches(torch.arange(400)), site.layout, mech,
+        server.subspace)
+    without = clipped_sums_of_batches(
+        site.model, site.loss_fn, site.batches(torch.tensor([i for i in range(400) if i != 7])),
+        site.layout, mech, server.subspace)
+    assert torch.allclose(with_bad.residual, without.residual, atol=1e-6)
+    assert torch.allclose(with_bad.embedding, without.embedding, atol=1e-6)
+
+
+def test_a_truncated_image_drawn_in_every_sample_is_dropped_not_an_error(
+    tmp_path, digits, hospital
+):
+    """Point 2: a PNG cut short fails only when read, i.e. when a Poisson sample draws it; a
+    failed reply would tell the server so. At q = 1 it is drawn every round."""
+    from PIL import Image
+
+    data = load_digits().subset(np.arange(120))
+    root = tmp_path / "folders"
+    for i, (image, label) in enumerate(zip(data.images, data.labels, strict=True)):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(root / str(label) / f"{i}.png")
+    victim = next((root / "3").iterdir())
+    victim.write_bytes(victim.read_bytes()[: len(victim.read_bytes()) // 2])
+    task = f"{__name__}:DigitsFolders"
+    folders = DigitsFolders(TaskSettings(num_public=200))
+    server = make_server(tmp_path, folders, task=task, sample_rate=1.0)
+    site = {**hospital, "task": task, "data-path": str(root), "epsilon-budget": 100.0}
+    for rnd in (1, 2):
+        reply, _ = answer(round_message(server, rnd), site, server.cfg)
+        assert not reply.has_error()
+        assert_data_free(reply)
+    checked = next(iter(client_app._SITES.values()))[0].dataset
+    problems = [i for i in range(len(checked)) if checked.problem(i)]
+    assert len(problems) == 1 and "cannot be read" in checked.problem(problems[0])
+
+
+@pytest.mark.parametrize("mode", ["client", "central"])
+def test_a_layout_naming_a_parameter_twice_or_regrouped_is_refused(
+    tmp_path, digits, hospital, mode
+):
+    """Point 6: the sums used to carry uninitialised memory for the columns a duplicated
+    name left unwritten. Now the round's layout must equal the site's own model's."""
+    import json
+
+    server = make_server(tmp_path, digits, mode=mode)
+    site = {**hospital, "accept-modes": "client,central"}
+    layout = server.layout.to_dict()
+    twice = {**layout, "names": layout["names"] + layout["names"][:1],
+             "shapes": layout["shapes"] + layout["shapes"][:1],
+             "groups": layout["groups"] + [["again", layout["names"][:1]]]}
+    regrouped = {**layout, "groups": [["all", layout["names"]]]}
+    for changed in (twice, regrouped):
+        msg = round_message(server, 1, record_changes={"layout": json.dumps(changed)})
+        reply, _ = answer(msg, site, server.cfg)
+        assert refused(reply, "malformed round")
+    assert site_ledger(hospital).steps == 0
+    from gep_fed.mechanisms.groups import ParameterLayout
+
+    with pytest.raises(ValueError, match="more than once"):
+        ParameterLayout.from_dict(twice)
+
+
+@pytest.mark.parametrize("clip", [5.1e-38, 1e-31, 1e31])
+def test_clip_norms_outside_the_proven_range_are_refused_as_malformed(
+    tmp_path, digits, hospital, clip
+):
+    """Point 3: the digits MLP attack used S = 5.1e-38 with output weights scaled by 1e7."""
+    server = make_server(tmp_path, digits, mechanism="gp")
+    msg = round_message(server, 1, record_changes={"privacy.clip_norm": clip})
+    reply, _ = answer(msg, hospital, server.cfg)
+    assert refused(reply, "malformed round")
+    assert site_ledger(hospital).steps == 0
+
+
+def test_a_restored_ledger_or_a_reopened_one_stops_the_site(tmp_path, digits, hospital):
+    """Point 5: yesterday's ledger copied back (HMAC intact) is refused and left as it is;
+    with new-ledger left in the node config, deleting the ledger alone (key kept) does not
+    reopen it at 0 steps."""
+    server = make_server(tmp_path, digits)
+    ledger = tmp_path / "site" / "ledger.json"
+    answer(round_message(server, 1), hospital, server.cfg)
+    backup = ledger.read_text()
+    answer(round_message(server, 2), hospital, server.cfg)
+    assert site_ledger(hospital).steps == 4
+    ledger.write_text(backup)
+    client_app._SITES.clear()
+    reply, _ = answer(round_message(server, 3), hospital, server.cfg)
+    assert refused(reply, "site error")
+    assert ledger.read_text() == backup
+    with pytest.raises(Exception, match="already recorded 4 step"):
+        site_ledger(hospital)
+    ledger.unlink()
+    reopened = {**hospital, "new-ledger": True}
+    reply, _ = answer(round_message(server, 4), reopened, server.cfg)
+    assert refused(reply, "site error")
+    assert not ledger.exists()
+
+
+def test_new_ledger_creates_a_ledger_only_where_no_key_exists(tmp_path, digits, hospital):
+    fresh = {**hospital, "ledger-path": str(tmp_path / "new" / "l.json"), "new-ledger": True}
+    server = make_server(tmp_path, digits)
+    for rnd in (1, 2):  # the second round opens what the first created
+        reply, _ = answer(round_message(server, rnd), fresh, server.cfg)
+        assert not reply.has_error()
+    assert site_ledger(fresh).steps == 4

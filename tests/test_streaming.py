@@ -56,6 +56,8 @@ def test_a_site_reads_exactly_the_examples_its_poisson_samples_take(tmp_path):
         sampler_generator=torch.Generator().manual_seed(3),
         max_chunk=7,
     )
+    # building the site reads its first valid example once (CheckedExamples' reference shape)
+    data.reads.clear()
     site.load_state(server.model.state_dict())
     site.run_round(plan.config, server.subspace)
     replay = torch.Generator().manual_seed(3)

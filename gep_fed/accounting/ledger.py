@@ -8,6 +8,11 @@ key (a server's own ledger, in-memory use) the file carries a plain SHA-256 chec
 catches damage but not a deliberate edit. What the HMAC does not stop: whoever holds the key
 (the site's own administrator) can rewrite the history. Epsilon is always recomputed from the
 events by ``dp-accounting``.
+
+A keyed ledger also keeps a **high-water mark** beside its key (``<key>.mark``, under the same
+key): the most steps and epsilon the ledger ever recorded. A copy of the ledger below its mark
+(an old backup copied back) is refused, so restoring a backup can never roll the accounting
+back; only the ledger file is ever restored, never the mark.
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ import math
 import os
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from gep_fed.accounting.events import PrivacyEvent, epsilon_pld, epsilon_rdp
 
 FORMAT = "gep-fed-ledger/1"
+MARK_FORMAT = "gep-fed-ledger-mark/1"
 KEY_BYTES = 32
 KEY_SUFFIX = ".key"
+MARK_SUFFIX = ".mark"
+# A ledger whose RDP epsilon falls this far (relative) below its mark is an older copy; the
+# slack only absorbs recomputing the same events (dp-accounting is deterministic).
+_MARK_EPSILON_TOLERANCE = 1e-9
 
 
 class LedgerError(ValueError):
@@ -47,6 +58,8 @@ class PrivacyLedger:
         owner: whose releases these are (a site id, or "federation" for central mode).
         path: where ``record`` saves after each event (None: in memory only).
         key: the site's HMAC key (``read_ledger_key``); None for an unkeyed ledger.
+        mark_path: a keyed ledger's high-water mark (default: beside the default key,
+            ``<path>.key.mark``); every save raises it, every load checks against it.
     """
 
     def __init__(
@@ -57,6 +70,7 @@ class PrivacyLedger:
         path: str | Path | None = None,
         events: Sequence[PrivacyEvent] = (),
         key: bytes | None = None,
+        mark_path: str | Path | None = None,
     ) -> None:
         if not (0 < delta < 1):
             raise ValueError(f"ledger delta must be in (0, 1), got {delta}")
@@ -67,6 +81,9 @@ class PrivacyLedger:
         self.owner = owner
         self.path = None if path is None else Path(path)
         self.key = key
+        if mark_path is None and key is not None and self.path is not None:
+            mark_path = default_mark_path(default_key_path(self.path))
+        self.mark_path = None if mark_path is None else Path(mark_path)
         self._events: list[PrivacyEvent] = list(events)
         # Digest of the file as this object last read or wrote it: a save over a file that
         # another process changed since then would lose that process's releases.
@@ -206,18 +223,57 @@ class PrivacyLedger:
                         f"ledger {target} was changed by another process since it was read; "
                         "not overwriting it (reopen it and record again)"
                     )
-            tmp = target.with_name(target.name + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        if target == self.path:
-            self._disk_digest = hashlib.sha256(text.encode()).hexdigest()
+            _write_atomically(target, text)
+            if target == self.path:
+                self._disk_digest = hashlib.sha256(text.encode()).hexdigest()
+                if self.key is not None and self.mark_path is not None:
+                    self._raise_mark()
         return target
 
+    def _raise_mark(self) -> None:
+        """Write the high-water mark after the ledger itself: a crash in between leaves the
+        mark behind the ledger (accepted), never ahead of it."""
+        current = HighWaterMark(self.owner, self.steps, self.epsilon())
+        previous = HighWaterMark.read(self.mark_path, self.key, missing_ok=True)
+        if previous is not None:
+            current = previous.raised_to(current)
+        current.write(self.mark_path, self.key)
+
+    def check_mark(self) -> None:
+        """Refuse (``LedgerError``) a keyed ledger below its high-water mark, or one whose
+        mark is missing: it is an older copy of the ledger, and opening it would forget
+        releases the site already made. The file is left as it is."""
+        if self.key is None or self.mark_path is None:
+            return
+        mark = HighWaterMark.read(self.mark_path, self.key)
+        source = f"ledger {self.path}" if self.path else "ledger"
+        if mark.owner != self.owner:
+            raise LedgerError(
+                f"{source} belongs to {self.owner!r} but its high-water mark {self.mark_path} "
+                f"to {mark.owner!r}: they are not one ledger's files"
+            )
+        spent = self.epsilon()
+        if self.steps < mark.steps or spent < mark.epsilon * (1 - _MARK_EPSILON_TOLERANCE):
+            raise LedgerError(
+                f"{source} records {self.steps} step(s), epsilon {spent:.4f}, but this site has "
+                f"already recorded {mark.steps} step(s), epsilon {mark.epsilon:.4f} (high-water "
+                f"mark {self.mark_path}): it is an older copy, e.g. restored from a backup. It "
+                "is left untouched: put back the newest copy of the ledger (never an older "
+                "one, and never an older mark)"
+            )
+
     @classmethod
-    def load(cls, path: str | Path, key: bytes | None = None) -> PrivacyLedger:
+    def load(
+        cls,
+        path: str | Path,
+        key: bytes | None = None,
+        mark_path: str | Path | None = None,
+        *,
+        verify_mark: bool = True,
+    ) -> PrivacyLedger:
+        """Read and verify a ledger; a keyed one also against its high-water mark
+        (``mark_path``, default beside the default key; ``verify_mark=False`` only to give a
+        ledger kept before marks existed its first mark)."""
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -225,13 +281,19 @@ class PrivacyLedger:
             raise LedgerError(f"cannot read ledger {path}: {err}") from err
         ledger = cls.from_json(text, source=f"ledger {path}", key=key)
         ledger.path = path
+        if key is not None:
+            ledger.mark_path = Path(mark_path or default_mark_path(default_key_path(path)))
+        if verify_mark:
+            ledger.check_mark()
         ledger._disk_digest = hashlib.sha256(text.encode()).hexdigest()
         return ledger
 
     @classmethod
     def load_keyed(cls, path: str | Path, key_path: str | Path | None = None) -> PrivacyLedger:
-        """A site's ledger, verified under its key file (default: ``<path>.key``)."""
-        return cls.load(path, read_ledger_key(key_path or default_key_path(path)))
+        """A site's ledger, verified under its key file (default: ``<path>.key``) and against
+        the high-water mark beside that key."""
+        key_path = Path(key_path or default_key_path(path))
+        return cls.load(path, read_ledger_key(key_path), default_mark_path(key_path))
 
     @classmethod
     def open(
@@ -242,17 +304,27 @@ class PrivacyLedger:
         owner: str = "",
         *,
         key: bytes | None = None,
+        mark_path: str | Path | None = None,
         create: bool = False,
     ) -> PrivacyLedger:
         """Load the ledger at ``path``; with ``create``, start an empty one if none exists.
 
         Without ``create`` a missing file is an error: a party that already released must
-        never restart its accounting from zero because its file went missing. An existing
-        file must have the same delta; its budget is replaced by ``budget_epsilon`` (the
-        owner's current choice).
+        never restart its accounting from zero because its file went missing. A keyed ledger
+        is created only where it has no high-water mark yet (a mark means it has a history).
+        An existing file must have the same delta; its budget is replaced by
+        ``budget_epsilon`` (the owner's current choice).
         """
         path = Path(path)
+        if key is not None and mark_path is None:
+            mark_path = default_mark_path(default_key_path(path))
         if not path.exists():
+            if create and mark_path is not None and Path(mark_path).exists():
+                raise LedgerError(
+                    f"ledger {path} is missing but its high-water mark {mark_path} exists: this "
+                    "site has a ledger history, so a new ledger would restart its accounting. "
+                    "Restore the newest copy of the ledger from a backup"
+                )
             if not create:
                 raise LedgerError(
                     f"ledger {path} does not exist. Privacy accounting is never restarted "
@@ -260,10 +332,10 @@ class PrivacyLedger:
                     "released anything from this data, create it once (`gep-fed ledger init`, "
                     "or node config new-ledger=true)"
                 )
-            ledger = cls(delta, budget_epsilon, owner, path, key=key)
+            ledger = cls(delta, budget_epsilon, owner, path, key=key, mark_path=mark_path)
             ledger.save()
             return ledger
-        ledger = cls.load(path, key)
+        ledger = cls.load(path, key, mark_path)
         if not math.isclose(ledger.delta, delta, rel_tol=0, abs_tol=0):
             raise LedgerError(
                 f"ledger {path} accounts at delta={ledger.delta:g}, but delta={delta:g} was "
@@ -300,6 +372,87 @@ def _locked(path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def _fsync_directory(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX: the rename lives in the directory)."""
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)  # the rename lives in the directory: a power loss can undo it
+
+
+@dataclass(frozen=True)
+class HighWaterMark:
+    """The most a keyed ledger ever recorded: steps and RDP epsilon at its delta.
+
+    Kept in its own file beside the ledger's key, under an HMAC with that key (domain
+    separated from the ledger's own), and only ever raised."""
+
+    owner: str
+    steps: int
+    epsilon: float
+
+    def raised_to(self, other: HighWaterMark) -> HighWaterMark:
+        return HighWaterMark(
+            self.owner, max(self.steps, other.steps), max(self.epsilon, other.epsilon)
+        )
+
+    def _body(self) -> dict:
+        return {
+            "format": MARK_FORMAT,
+            "owner": self.owner,
+            "steps": self.steps,
+            "epsilon": self.epsilon,
+        }
+
+    def write(self, path: Path, key: bytes) -> None:
+        body = self._body()
+        body["hmac-sha256"] = _mac(key, body, domain=b"mark:")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, json.dumps(body, indent=1))
+
+    @classmethod
+    def read(cls, path: Path, key: bytes, missing_ok: bool = False) -> HighWaterMark | None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            if missing_ok:
+                return None
+            raise LedgerError(
+                f"the ledger's high-water mark {path} is missing: without it an older copy of "
+                "the ledger cannot be told from the newest. Put the mark back, or, for a "
+                "ledger kept before marks existed, check it is the newest copy and record its "
+                "spending as the mark: gep-fed ledger mark <ledger>"
+            ) from None
+        except OSError as err:
+            raise LedgerError(f"cannot read the ledger's high-water mark {path}: {err}") from err
+        try:
+            data = json.loads(text)
+            mac = data.pop("hmac-sha256")
+            ok = data.get("format") == MARK_FORMAT and hmac.compare_digest(
+                str(mac), _mac(key, data, domain=b"mark:")
+            )
+            mark = cls(str(data["owner"]), int(data["steps"]), float(data["epsilon"]))
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise LedgerError(
+                f"the ledger's high-water mark {path} fails its HMAC check: it was changed "
+                "without the site's key, or damaged. It is left untouched"
+            )
+        return mark
+
+
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True).encode()
 
@@ -308,13 +461,18 @@ def _digest(body: dict) -> str:
     return hashlib.sha256(_canonical(body)).hexdigest()
 
 
-def _mac(key: bytes, body: dict) -> str:
-    return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+def _mac(key: bytes, body: dict, domain: bytes = b"") -> str:
+    return hmac.new(key, domain + _canonical(body), hashlib.sha256).hexdigest()
 
 
 def default_key_path(ledger_path: str | Path) -> Path:
     """Where a ledger's key lives unless configured otherwise: beside it, ``<ledger>.key``."""
     return Path(str(ledger_path) + KEY_SUFFIX)
+
+
+def default_mark_path(key_path: str | Path) -> Path:
+    """Where a keyed ledger's high-water mark lives: beside its key, ``<key>.mark``."""
+    return Path(str(key_path) + MARK_SUFFIX)
 
 
 def create_ledger_key(path: str | Path) -> bytes:

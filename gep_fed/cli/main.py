@@ -17,6 +17,7 @@ from gep_fed.accounting.ledger import (
     PrivacyLedger,
     create_ledger_key,
     default_key_path,
+    default_mark_path,
     read_ledger_key,
 )
 from gep_fed.config import ConfigError, FederationConfig
@@ -157,11 +158,19 @@ def _ledger_init(args: argparse.Namespace) -> int:
     if path.exists():
         raise LedgerError(f"ledger {path} already exists; not replacing it")
     key_path = Path(args.key) if args.key else default_key_path(path)
+    mark = default_mark_path(key_path)
+    if mark.exists():
+        raise LedgerError(
+            f"{mark} exists: this site already has a ledger history; restore the newest copy "
+            f"of its ledger instead of creating {path}"
+        )
     key = create_ledger_key(key_path)
-    PrivacyLedger.open(path, args.delta, None, args.owner, key=key, create=True)
+    PrivacyLedger.open(path, args.delta, None, args.owner, key=key, mark_path=mark, create=True)
     print(f"created ledger {path} (owner {args.owner!r}, delta {args.delta:g})")
     print(f"created its key {key_path} (mode 600): back it up with the ledger; without it the")
     print("ledger cannot be verified, and whoever holds it can rewrite the ledger")
+    print(f"created its high-water mark {mark}: never restore it from a backup; it is what")
+    print("refuses an older copy of the ledger")
     return 0
 
 
@@ -169,14 +178,49 @@ def _ledger_show(args: argparse.Namespace) -> int:
     path = Path(args.path)
     key_path = Path(args.key) if args.key else default_key_path(path)
     key = read_ledger_key(key_path) if key_path.exists() or args.key else None
-    ledger = PrivacyLedger.load(path, key)
-    print(f"ledger {path} ({'HMAC verified' if key else 'checksum verified, no key'})")
+    ledger = PrivacyLedger.load(path, key, default_mark_path(key_path) if key else None)
+    verified = "HMAC and high-water mark verified" if key else "checksum verified, no key"
+    print(f"ledger {path} ({verified})")
     print(f"  owner {ledger.owner!r}, {ledger.steps} accounted step(s)")
     print(
         f"  epsilon {ledger.epsilon():.4f} (RDP), {ledger.epsilon('pld'):.4f} (PLD) at "
         f"delta={ledger.delta:g}"
     )
     return 0
+
+
+def _ledger_mark(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    key_path = Path(args.key) if args.key else default_key_path(path)
+    mark = default_mark_path(key_path)
+    if mark.exists():
+        raise LedgerError(f"{mark} exists; a high-water mark is only ever raised, by the site")
+    key = read_ledger_key(key_path)
+    ledger = PrivacyLedger.load(path, key, mark, verify_mark=False)
+    ledger.save()
+    print(f"recorded {ledger.steps} step(s), epsilon {ledger.epsilon():.4f} as {mark}")
+    return 0
+
+
+def _site_check(args: argparse.Namespace) -> int:
+    from flwr.common.config import parse_config_args
+    from tqdm import tqdm
+
+    from gep_fed.federation.site_check import check_site
+
+    node_config = parse_config_args([args.node_config])
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        bar = bar or tqdm(total=total, desc="reading the site's examples", unit="ex")
+        bar.update(1)
+
+    result = check_site(node_config, progress)
+    if bar is not None:
+        bar.close()
+    print("\n".join(result.lines()))
+    return 0 if result.ok else 1
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -384,6 +428,33 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("path", help="the ledger file")
     show.add_argument("--key", help="key file (default: <path>.key when it exists)")
     show.set_defaults(func=_ledger_show)
+    mark = led_sub.add_parser(
+        "mark",
+        help="give a ledger kept before high-water marks existed its mark (once)",
+        description="Record the ledger's current spending as its high-water mark. Only for a "
+        "ledger that has none yet: check first that it is the newest copy, since a mark made "
+        "from an older copy forgets the releases after it. Refuses if a mark exists.",
+    )
+    mark.add_argument("path", help="the ledger file")
+    mark.add_argument("--key", help="key file (default: <path>.key)")
+    mark.set_defaults(func=_ledger_mark)
+
+    site = sub.add_parser("site", help="check a hospital's site before it joins a federation")
+    site_sub = site.add_subparsers(dest="site_command", required=True)
+    check = site_sub.add_parser(
+        "check",
+        help="check a site's node config, task, every example of its data, and its ledger",
+        description="Run at the site with the node config its SuperNode will use. During a run "
+        "an example that cannot be read or does not suit the task is dropped silently (a "
+        "failed reply would reveal it), so fix what this reports before joining. Exit status "
+        "0: ready; 1: problems found. Nothing leaves the site.",
+    )
+    check.add_argument(
+        "--node-config",
+        required=True,
+        help="the SuperNode's --node-config string, e.g. 'site-id=\"h1\" task=\"digits\" ...'",
+    )
+    check.set_defaults(func=_site_check)
     return parser
 
 

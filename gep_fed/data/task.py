@@ -201,6 +201,101 @@ class FeatureDataset(Dataset):
         return self.labels
 
 
+def target_is_valid(kind: str, num_outputs: int, target: torch.Tensor) -> bool:
+    """Whether one example's target suits a task of ``kind`` whose model has ``num_outputs``
+    outputs (both fixed by the site's own task and model)."""
+    if not bool(torch.isfinite(target.double()).all()):
+        return False
+    if kind == "multilabel":
+        return tuple(target.shape) == (num_outputs,) and bool(((target >= 0) & (target <= 1)).all())
+    if target.numel() != 1 or float(target) != int(target):
+        return False
+    classes = 2 if (kind == "binary" and num_outputs == 1) else num_outputs
+    return 0 <= int(target) < classes
+
+
+class CheckedExamples(Dataset):
+    """A site's private examples, each read and checked on its own.
+
+    An example that cannot be read (a truncated image, a missing file), whose input has
+    another shape than the site's first valid example, or whose target does not suit the
+    site's task and model comes back as a placeholder with ``valid = False``: the site's
+    mechanism gives it clip factor 0, like a non-finite gradient, and counts it nowhere.
+    Turning such an example into an error would let the server learn, from a failed reply,
+    whether a sampled example is bad. Items are ``(x, y, valid)``.
+
+    Build it with ``CheckedExamples.of``; ``problem(i)`` says what is wrong with example ``i``
+    (the site check's report, local only).
+    """
+
+    # Examples tried, in order, for the one that fixes the input shape and target type.
+    REFERENCE_SEARCH = 100
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        placeholder: tuple[torch.Tensor, torch.Tensor],
+        kind: str,
+        num_outputs: int,
+    ) -> None:
+        self.dataset, self.placeholder = dataset, placeholder
+        self.kind, self.num_outputs = kind, num_outputs
+
+    @classmethod
+    def of(cls, dataset: Dataset, kind: str, model: nn.Module) -> CheckedExamples:
+        """Wrap ``dataset``; its first readable example with a valid target (for ``model``'s
+        output size) fixes the input shape and the target type."""
+        for i in range(min(len(dataset), cls.REFERENCE_SEARCH)):
+            try:
+                x, y = dataset[i]
+                x, y = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
+                with torch.no_grad():
+                    outputs = model(x.unsqueeze(0).to(next(model.parameters()).device))
+            except Exception:  # an unreadable example: try the next
+                continue
+            num_outputs = int(outputs.shape[-1]) if outputs.ndim > 1 else 1
+            if target_is_valid(kind, num_outputs, y):
+                placeholder = (torch.zeros_like(x), torch.zeros_like(y))
+                return cls(dataset, placeholder, kind, num_outputs)
+        raise DataError(
+            f"none of the first {min(len(dataset), cls.REFERENCE_SEARCH)} examples can be read "
+            "with a target the task's model accepts"
+        )
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def problem(self, i: int) -> str | None:
+        """What is wrong with example ``i`` (None: nothing)."""
+        try:
+            x, y = self.dataset[i]
+            x, y = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
+        except Exception as err:
+            return f"cannot be read: {err}"
+        if x.shape != self.placeholder[0].shape:
+            return f"input shape {tuple(x.shape)}, expected {tuple(self.placeholder[0].shape)}"
+        if not target_is_valid(self.kind, self.num_outputs, y):
+            outputs = f"{self.num_outputs} output(s)"
+            return f"target {y.tolist()} does not suit a {self.kind} model of {outputs}"
+        if y.shape != self.placeholder[1].shape:
+            return f"target shape {tuple(y.shape)}, expected {tuple(self.placeholder[1].shape)}"
+        return None
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        try:
+            x, y = self.dataset[i]
+            x = torch.as_tensor(x, dtype=torch.float32)
+            y = torch.as_tensor(y).to(self.placeholder[1].dtype)
+            ok = (
+                x.shape == self.placeholder[0].shape
+                and y.shape == self.placeholder[1].shape
+                and target_is_valid(self.kind, self.num_outputs, y)
+            )
+        except Exception:  # counted nowhere; ``problem(i)`` tells the site's own check
+            ok = False
+        return (x, y, True) if ok else (*self.placeholder, False)
+
+
 def dataset_targets(dataset: Dataset) -> np.ndarray:
     """A dataset's labels: its ``targets()`` when it has one, else read item by item."""
     if hasattr(dataset, "targets") and callable(dataset.targets):
@@ -208,15 +303,17 @@ def dataset_targets(dataset: Dataset) -> np.ndarray:
     return np.asarray([np.asarray(dataset[i][1]) for i in range(len(dataset))])
 
 
-def stack_examples(dataset: Dataset, indices=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The examples at ``indices`` (default: all) as two tensors, read in batches."""
+def stack_examples(dataset: Dataset, indices=None) -> tuple[torch.Tensor, ...]:
+    """The examples at ``indices`` (default: all) as tensors, one per item field (``(x, y)``,
+    or ``(x, y, valid)`` from ``CheckedExamples``), read in batches."""
     from torch.utils.data import Subset
 
     subset = dataset if indices is None else Subset(dataset, list(indices))
-    xs, ys = [], []
-    for x, y in DataLoader(subset, batch_size=512):
-        xs.append(x)
-        ys.append(y)
-    if not xs:
+    fields: list[list[torch.Tensor]] = []
+    for batch in DataLoader(subset, batch_size=512):
+        fields = fields or [[] for _ in batch]
+        for parts, value in zip(fields, batch, strict=True):
+            parts.append(value)
+    if not fields:
         raise DataError("no examples to read")
-    return torch.cat(xs), torch.cat(ys)
+    return tuple(torch.cat(parts) for parts in fields)

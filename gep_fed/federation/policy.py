@@ -20,11 +20,12 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gep_fed.accounting.ledger import default_key_path
 from gep_fed.config import MODES, ConfigError
+from gep_fed.data.task import Task, TaskSettings, resolve_task
 from gep_fed.federation.wire import RoundConfig, RoundRefused
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -35,10 +36,16 @@ SIMULATED_SITE_DEFAULTS = {"epsilon-budget": 8.0, "delta": 1e-5}
 # Keys a deployed site's node config may hold, with what they mean (``gep-fed`` prints them).
 NODE_CONFIG_KEYS = {
     "site-id": "how the site names itself in its ledger",
+    "task": "the task this site trains: a built-in name or 'package.module:Class' (required); "
+    "a round whose run config names another task is refused",
+    "model": "the task's architecture at this site (default auto); rounds must match it",
+    "task-data-dir": "where a built-in task reads its fixed data (default ../shared/data)",
+    "medmnist-path": "a MedMNIST file for task medmnist",
+    "max-chunk": "examples differentiated at once: this site's memory bound (default 128)",
     "data-path": "the site's private data (required)",
     "ledger-path": "the site's privacy ledger, kept across runs (required)",
     "ledger-key-path": "the ledger's HMAC key file (default: <ledger-path>.key)",
-    "new-ledger": "true only the first time: create the ledger and its key if missing",
+    "new-ledger": "create the ledger, its key and mark where no key exists yet (first start)",
     "epsilon-budget": "the most epsilon this site will ever spend from this data (required)",
     "delta": "the delta of the site's guarantee (required)",
     "accept-modes": "'client' (default) or 'client,central' (central trusts the server)",
@@ -118,6 +125,11 @@ class SiteConfig:
     Attributes:
         site_id: how the site names itself in its ledger.
         policy: what the site accepts (``SitePolicy``).
+        task: the task a deployed site trains (a built-in name or an import path), pinned by
+            its node config: the site imports nothing the server names. Empty for a
+            simulated site, which trains the simulation's task.
+        model, task_data_dir, task_options: the task's settings at this site.
+        max_chunk: at most this many examples are differentiated at once (memory).
         data_path: the site's private data (deployed sites).
         partition_id, num_partitions: the simulated site's share of the pooled data.
         ledger_path, ledger_key_path: the site's ledger and its HMAC key, on its own disk.
@@ -129,6 +141,11 @@ class SiteConfig:
 
     site_id: str
     policy: SitePolicy
+    task: str = ""
+    model: str = "auto"
+    task_data_dir: str = ""
+    task_options: Mapping[str, str] = field(default_factory=dict)
+    max_chunk: int = 128
     data_path: str = ""
     partition_id: int | None = None
     num_partitions: int | None = None
@@ -142,6 +159,25 @@ class SiteConfig:
     def simulated(self) -> bool:
         return self.partition_id is not None
 
+    @staticmethod
+    def is_simulated(node_config: Mapping[str, object]) -> bool:
+        """A node config Flower's simulation made (it holds a ``partition-id``)."""
+        return "partition-id" in node_config
+
+    def make_task(self) -> Task:
+        """The site's own task (a deployed site's node config names it)."""
+        try:
+            return resolve_task(self.task)(self.task_settings())
+        except ValueError as err:
+            raise ConfigError(f"node config task {self.task!r}: {err}") from None
+
+    def task_settings(self) -> TaskSettings:
+        """The settings the site's own task is built with (from its node config)."""
+        settings = TaskSettings(model=self.model, options=dict(self.task_options))
+        if self.task_data_dir:
+            settings = replace(settings, data_dir=self.task_data_dir)
+        return settings
+
     @classmethod
     def from_node_config(
         cls,
@@ -153,7 +189,7 @@ class SiteConfig:
         from ``simulation`` (the simulation's own site settings), then from the file named by
         ``GEP_FED_SIMULATED_SITE``, then ``SIMULATED_SITE_DEFAULTS``; its ledgers go to
         ``ledger-dir`` or the run directory's ``sites/`` folder."""
-        simulated = "partition-id" in node_config
+        simulated = cls.is_simulated(node_config)
         if simulated:
             settings = {
                 **SIMULATED_SITE_DEFAULTS,
@@ -173,7 +209,7 @@ class SiteConfig:
         if not site_id:
             raise ConfigError("node config needs 'site-id' (how the site names its ledger)")
         if not simulated:
-            for key in ("data-path", "ledger-path", "delta"):
+            for key in ("task", "data-path", "ledger-path", "delta"):
                 if key not in settings:
                     raise ConfigError(f"node config needs {key!r}: {NODE_CONFIG_KEYS[key]}")
         ledger = get.text("ledger-path")
@@ -194,9 +230,18 @@ class SiteConfig:
         device = get.text("device") or "auto"
         if device not in DEVICES:
             raise ConfigError(f"node config device must be one of {list(DEVICES)}, got {device!r}")
+        max_chunk = get.integer("max-chunk")
+        if max_chunk is not None and max_chunk < 1:
+            raise ConfigError(f"node config max-chunk must be >= 1, got {max_chunk}")
+        medmnist = get.text("medmnist-path")
         return cls(
             site_id=site_id,
             policy=policy,
+            task=get.text("task"),
+            model=get.text("model") or "auto",
+            task_data_dir=get.text("task-data-dir"),
+            task_options={"medmnist-path": medmnist} if medmnist else {},
+            max_chunk=max_chunk or 128,
             data_path=get.text("data-path"),
             partition_id=pid,
             num_partitions=get.integer("num-partitions"),

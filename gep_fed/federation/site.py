@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,9 +30,10 @@ from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
 from gep_fed.config import ConfigError, GEPConfig
 from gep_fed.data.partition import partition_indices
-from gep_fed.data.task import Task, dataset_targets, stack_examples
+from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
 from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.wire import RoundConfig, RoundRefused
+from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
 from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.noise import NoiseSource
@@ -68,9 +70,12 @@ class Site:
         site_id: recorded in the ledger.
         model: a model of the federation's architecture (its weights are overwritten).
         dataset: the site's private examples, read only as each Poisson sample takes them
-            (they never leave this object).
+            (they never leave this object). Each is read and checked on its own
+            (``CheckedExamples``): one that cannot be read or does not suit the task is
+            dropped from every sample (clip factor 0), never turned into an error.
         policy: what the site accepts (modes, budget, noise); the site's own.
         loss_fn: the task's loss (per example); cross-entropy by default.
+        kind: the task's kind ("multiclass", "binary", "multilabel"): which targets are valid.
         ledger: the site's own ledger, on the site's disk; every release is recorded in it.
         noise: the site's noise; cryptographically seeded unless the policy fixes a seed.
         sampler_generator: Poisson sampling randomness (None: seeded from the OS).
@@ -86,6 +91,7 @@ class Site:
         policy: SitePolicy,
         *,
         loss_fn: LossFn = F.cross_entropy,
+        kind: str = "multiclass",
         device: torch.device | str = "cpu",
         ledger: PrivacyLedger | None = None,
         noise: NoiseSource | None = None,
@@ -100,7 +106,10 @@ class Site:
         self.policy = policy
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.dataset, self.loss_fn = dataset, loss_fn
+        # The site's own layout: every round's must equal it (names, shapes, groups).
+        self.layout = ParameterLayout.from_model(self.model)
+        self.dataset = CheckedExamples.of(dataset, kind, self.model)
+        self.loss_fn = loss_fn
         self.ledger = ledger
         self.noise = noise if noise is not None else NoiseSource(policy.noise_seed)
         self.sampler_generator = sampler_generator
@@ -113,8 +122,12 @@ class Site:
     def num_examples(self) -> int:
         return len(self.dataset)
 
-    def batches(self, indices: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The sampled examples, loaded ``max_chunk`` at a time and moved to the device."""
+    def batches(
+        self, indices: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The sampled examples, loaded ``max_chunk`` at a time and moved to the device, as
+        ``(inputs, targets, valid)``: ``valid`` marks the examples that could be read and
+        checked (the others are placeholders, dropped by the mechanism)."""
         if len(indices) == 0:
             return iter(())
         cuda = self.device.type == "cuda"
@@ -125,8 +138,12 @@ class Site:
             pin_memory=cuda,
         )
         return (
-            (x.to(self.device, non_blocking=cuda), y.to(self.device, non_blocking=cuda))
-            for x, y in loader
+            (
+                x.to(self.device, non_blocking=cuda),
+                y.to(self.device, non_blocking=cuda),
+                valid.to(self.device, non_blocking=cuda),
+            )
+            for x, y, valid in loader
         )
 
     @torch.no_grad()
@@ -134,10 +151,11 @@ class Site:
         """The mean loss over all the site's data: NOT private (released only when the site's
         own policy allows it, labelled as outside the guarantee)."""
         total, count = 0.0, 0
-        for x, y in self.batches(torch.arange(self.num_examples)):
-            total += float(self.loss_fn(self.model(x), y)) * len(x)
-            count += len(x)
-        return total / count
+        for x, y, valid in self.batches(torch.arange(self.num_examples)):
+            if valid.any():
+                total += float(self.loss_fn(self.model(x[valid]), y[valid])) * int(valid.sum())
+                count += int(valid.sum())
+        return total / max(count, 1)
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
@@ -147,12 +165,12 @@ class Site:
     ) -> SiteRelease:
         """Admit the round (policy, then budget), record it, compute the release.
 
-        Raises ``RoundRefused`` ("mode not allowed", "replayed round", "over budget") before
-        anything is computed or recorded.
+        Raises ``RoundRefused`` ("mode not allowed", "replayed round", "over budget",
+        "malformed round") before anything is computed or recorded.
         """
         if self.ledger is None:
             raise ValueError(f"site {self.site_id}: needs its ledger")
-        self.policy.admit(rc, last_round)
+        self.admit(rc, last_round)
         try:
             self.ledger.check_budget(self.round_events(rc))
         except BudgetExceededError:
@@ -160,6 +178,13 @@ class Site:
         if rc.mode == "central":
             return SiteRelease(sums=self.central_sums(subspace, rc))
         return SiteRelease(delta=self.local_update(subspace, rc))
+
+    def admit(self, rc: RoundConfig, last_round: int | None) -> None:
+        """The site's policy, then the round's layout against the site's own model."""
+        self.policy.admit(rc, last_round)
+        if rc.parameter_layout() != self.layout:
+            # another layout (a name twice, other shapes or groups) would mis-assign columns
+            raise RoundRefused("malformed round")
 
     def round_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
         """What the round releases, as this site's ledger records it."""
@@ -169,7 +194,7 @@ class Site:
             )
         if rc.privacy.is_langevin:
             return self._langevin_trainer(rc).multi_pass_events(
-                self.num_examples, _first_langevin_step(rc), rc.local_steps
+                len(self._langevin_examples[1]), _first_langevin_step(rc), rc.local_steps
             )
         return rc.privacy.events(rc.local_steps, party=self.site_id, round=rc.round)
 
@@ -188,7 +213,7 @@ class Site:
             self.model,
             self.loss_fn,
             self.batches(self._sample(rc.privacy.sample_rate)),
-            rc.parameter_layout(),
+            self.layout,
             rc.privacy.build_mechanism(),
             sub,
             self.max_chunk,
@@ -202,8 +227,7 @@ class Site:
         if rc.privacy.is_langevin:
             return self._langevin_update(rc)
         self.ledger.check_budget(self.round_events(rc))
-        layout = rc.parameter_layout()
-        layout.check_matches(self.model)
+        layout = self.layout
         before = layout.flatten_params(self.model).clone()
         step = GEPStep(
             self.model,
@@ -232,7 +256,7 @@ class Site:
             grad_bound=rc.privacy.clip_norm,
             beta0=rc.privacy.langevin_beta0,
             steps=rc.local_steps,
-            batch=max(1, round(rc.privacy.sample_rate * self.num_examples)),
+            batch=max(1, round(rc.privacy.sample_rate * len(self._langevin_examples[1]))),
             delta=self.policy.delta,
         )
         return LangevinTrainer(
@@ -247,15 +271,23 @@ class Site:
     def _langevin_update(self, rc: RoundConfig) -> torch.Tensor:
         """Multi-pass Langevin steps continuing the schedule across rounds, each accounted
         in the site's ledger."""
-        layout = rc.parameter_layout()
+        layout = self.layout
         before = layout.flatten_params(self.model).clone()
         trainer = self._langevin_trainer(rc)
-        # Langevin runs on linear models over small feature sets: its data fit in memory.
-        inputs, targets = stack_examples(self.dataset)
+        inputs, targets = self._langevin_examples
         trainer.fit(
             inputs.to(self.device), targets.to(self.device), first_step=_first_langevin_step(rc)
         )
         return layout.flatten_params(self.model) - before
+
+
+    @cached_property
+    def _langevin_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Langevin runs on linear models over small feature sets: its data fit in memory.
+        Its epsilon depends on the data size, so examples that fail their checks are left
+        out of both the training and the accounting (n is their count, as public as n)."""
+        inputs, targets, valid = stack_examples(self.dataset)
+        return inputs[valid], targets[valid]
 
 
 def _first_langevin_step(rc: RoundConfig) -> int:

@@ -27,11 +27,18 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, read_ledger_key
+from gep_fed.accounting.ledger import (
+    LedgerError,
+    PrivacyLedger,
+    create_ledger_key,
+    default_mark_path,
+    read_ledger_key,
+)
 from gep_fed.config import ConfigError, FederationConfig
 from gep_fed.federation import wire
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.federation.site import Site, resolve_device, site_dataset
+from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
 log = logging.getLogger("gep_fed.federation.site")
@@ -47,27 +54,39 @@ def _arrays(values: dict) -> ArrayRecord:
     return ArrayRecord({name: Array(value) for name, value in values.items()})
 
 
-def _site(
-    context: Context, fed: FederationConfig, rc: wire.RoundConfig, simulation: Mapping | None
-) -> Site:
+def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | None) -> Site:
+    """This node's site, built on its first round of the run.
+
+    A deployed site is built from its node config alone: its own task (pinned there, never
+    the run config's string), model, data path and memory bound. A simulated site is the
+    local user's stand-in and trains the simulation's task and partition."""
     key = (context.run_id, context.node_id)
     if key not in _SITES:
-        cfg = SiteConfig.from_node_config(
-            context.node_config, simulation, fed.run_directory(context.run_id)
-        )
-        task = fed.make_task()
-        torch.manual_seed(fed.seed)  # the replica's initial weights are overwritten anyway
-        data = site_dataset(
-            task, cfg, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
-        )
+        simulated = SiteConfig.is_simulated(context.node_config)
+        if simulated:
+            fed = fed if fed is not None else FederationConfig.from_record(context.run_config)
+            run_directory = fed.run_directory(context.run_id)
+        else:
+            run_directory = ""
+        cfg = SiteConfig.from_node_config(context.node_config, simulation, run_directory)
+        if simulated:
+            task, max_chunk = fed.make_task(), fed.max_chunk
+            torch.manual_seed(fed.seed)  # the replica's initial weights are overwritten anyway
+            data = site_dataset(
+                task, cfg, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
+            )
+        else:
+            task, max_chunk = cfg.make_task(), cfg.max_chunk
+            data = task.site_dataset(cfg.data_path)
         site = Site(
             cfg.site_id,
             task.build_model(),
             data,
             cfg.policy,
             loss_fn=task.loss,
+            kind=task.kind,
             device=resolve_device(cfg.device),
-            max_chunk=fed.max_chunk,
+            max_chunk=max_chunk,
             num_workers=cfg.num_workers,
         )
         _SITES[key] = (site, cfg)
@@ -78,31 +97,62 @@ def _site(
     return site
 
 
-def _open_ledger(cfg: SiteConfig) -> PrivacyLedger:
-    """The site's ledger under its key; only ``new-ledger`` may create them."""
-    if cfg.new_ledger and not Path(cfg.ledger_path).exists():
-        key_file = Path(cfg.ledger_key_path)
-        key = read_ledger_key(key_file) if key_file.exists() else create_ledger_key(key_file)
+def admit_task(context: Context, fed: FederationConfig | None) -> None:
+    """A deployed site trains only the task (and model) of its own node config: a run config
+    naming another is refused as malformed, by comparing the strings, before anything is
+    imported or read."""
+    if SiteConfig.is_simulated(context.node_config):
+        return
+    if fed is not None:
+        requested = fed.task, fed.model
     else:
-        key = read_ledger_key(cfg.ledger_key_path)
+        requested = context.run_config.get("task"), context.run_config.get("model", "auto")
+    pinned = context.node_config.get("task"), context.node_config.get("model", "auto")
+    if requested != pinned:
+        log.warning(
+            "the run config asks for task %r, model %r; this site's node config pins task %r, "
+            "model %r",
+            *requested,
+            *pinned,
+        )
+        raise wire.RoundRefused("malformed round")
+
+
+def _open_ledger(cfg: SiteConfig) -> PrivacyLedger:
+    """The site's ledger under its key, checked against its high-water mark.
+
+    ``new-ledger`` is one-shot: it creates the key, the ledger and the mark only where no key
+    exists yet. Once a key exists, a missing ledger is an error, never a fresh start."""
+    key_file = Path(cfg.ledger_key_path)
+    create = cfg.new_ledger and not key_file.exists()
+    if create:
+        key = create_ledger_key(key_file)
+    else:
+        key = read_ledger_key(key_file)
+        if cfg.new_ledger and not Path(cfg.ledger_path).exists():
+            raise LedgerError(
+                f"ledger {cfg.ledger_path} is missing and its key {key_file} exists: new-ledger "
+                "creates a ledger only for a site without a key. Restore the newest copy of "
+                "the ledger, and remove new-ledger from the node config"
+            )
     return PrivacyLedger.open(
         cfg.ledger_path,
         cfg.policy.delta,
         cfg.policy.epsilon_budget,
         cfg.site_id,
         key=key,
-        create=cfg.new_ledger,
+        mark_path=default_mark_path(key_file),
+        create=create,
     )
 
 
 def _basis(
-    msg: Message, context: Context, rc: wire.RoundConfig
+    msg: Message, context: Context, rc: wire.RoundConfig, layout: ParameterLayout
 ) -> tuple[AnchorSubspace | None, int]:
     """The basis the round needs: from the message (kept for later rounds) or from the
     site's state. Returns it with the bytes received for it this round."""
     if rc.basis_id < 0:
         return None, 0
-    layout = rc.parameter_layout()
     if wire.BASIS in msg.content.array_records:
         record = msg.content.array_records[wire.BASIS]
         subspace = wire.decode_basis(record, layout, rc.basis_dtype)
@@ -116,23 +166,24 @@ def _basis(
 
 
 def _train(
-    msg: Message, context: Context, fed: FederationConfig, simulation: Mapping | None
+    msg: Message, context: Context, fed: FederationConfig | None, simulation: Mapping | None
 ) -> Message:
+    admit_task(context, fed)
     rc = wire.RoundConfig.from_record(msg.content.config_records[wire.ROUND_CONFIG])
-    site = _site(context, fed, rc, simulation)
-    state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
+    site = _site(context, fed, simulation)
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
-    # Policy first: a refused round changes nothing the site holds.
-    site.policy.admit(rc, last_round)
+    # Policy and layout first: a refused round changes nothing the site holds.
+    site.admit(rc, last_round)
+    state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
-    subspace, received = _basis(msg, context, rc)
+    subspace, received = _basis(msg, context, rc, site.layout)
     context.state[LAST_ROUND_KEY] = ConfigRecord({LAST_ROUND_KEY: rc.round})
     release = site.run_round(rc, subspace, last_round)
     metrics = {"basis-bytes-received": received, BASIS_ID_KEY: rc.basis_id}
     if release.sums is not None:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
     else:
-        delta = wire.encode_delta(rc.parameter_layout(), release.delta)
+        delta = wire.encode_delta(site.layout, release.delta)
         payload = {wire.MODEL_DELTA: _arrays(delta)}
         metrics["local-steps"] = rc.local_steps
     metrics["site-epsilon"] = site.ledger.epsilon()
@@ -151,11 +202,15 @@ def _train(
 def handle_train(
     msg: Message,
     context: Context,
-    fed: FederationConfig,
+    fed: FederationConfig | None = None,
     simulation: Mapping | None = None,
 ) -> Message:
     """One round at this site. Never raises: any refusal or failure is a reply with a
-    fixed reason code, and its detail is logged here, at the site, only."""
+    fixed reason code, and its detail is logged here, at the site, only.
+
+    ``fed``: the run's settings as the caller knows them (a simulation); None reads a
+    simulated site's from the run config. A deployed site takes nothing from either but
+    the task's name, which must equal its node config's."""
     try:
         return _train(msg, context, fed, simulation)
     except wire.RoundRefused as refused:
@@ -178,19 +233,16 @@ def refusal(msg: Message, reason: str) -> Message:
 def make_client_app(
     fed: FederationConfig | None = None, simulation: Mapping | None = None
 ) -> ClientApp:
-    """A ClientApp for ``fed`` (None: each message's run config decides the training).
-    ``simulation`` is the simulated sites' own settings (node-config keys such as
-    ``epsilon-budget``); a deployed site's settings come only from its node config."""
+    """A ClientApp for ``fed`` (None: a simulated site reads the run config). ``simulation``
+    is the simulated sites' own settings (node-config keys such as ``epsilon-budget``). A
+    deployed site's settings, its task included, come only from its node config: it never
+    builds a configuration from the run config, so no string the server sends is imported
+    there."""
     client = ClientApp()
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
-        try:
-            config = fed if fed is not None else FederationConfig.from_record(context.run_config)
-        except ConfigError as err:
-            log.warning("run config refused: %s", err)
-            return refusal(msg, "malformed round")
-        return handle_train(msg, context, config, simulation)
+        return handle_train(msg, context, fed, simulation)
 
     return client
 

@@ -46,6 +46,10 @@ class ParameterLayout:
     index: Mapping[str, tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        repeated = sorted({n for n in self.names if self.names.count(n) > 1})
+        if repeated:
+            # a name given twice would leave columns of the flattened vector unwritten
+            raise ValueError(f"the layout names parameter(s) {repeated} more than once")
         offsets, pos = {}, 0
         for name, shape in zip(self.names, self.shapes, strict=True):
             n = math.prod(shape)
@@ -55,6 +59,15 @@ class ParameterLayout:
         covered = [n for g in self.groups for n in g.param_names]
         if covered != list(self.names):
             raise ValueError("groups must list the parameters in layout order, each once")
+        start = 0
+        for g in self.groups:
+            size = sum(offsets[n][1] - offsets[n][0] for n in g.param_names)
+            if (g.start, g.stop) != (start, start + size):
+                raise ValueError(
+                    f"group {g.name!r} spans [{g.start}, {g.stop}), its parameters "
+                    f"[{start}, {start + size})"
+                )
+            start += size
 
     @property
     def size(self) -> int:

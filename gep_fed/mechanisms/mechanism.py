@@ -15,15 +15,21 @@ from typing import ClassVar
 import torch
 
 from gep_fed.accounting.events import PrivacyEvent, calibrate
+from gep_fed.mechanisms.clip_bounds import (
+    CLIP_BOUND_RANGE,
+    U64,
+    check_dtype,
+    clip_factors,
+    gamma,
+    ieee_matmul,
+    row_norms,
+    scaled_release_norm,
+    small_row_norms,
+    small_row_norms_error,
+    unit_roundoff,
+)
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.subspace import AnchorSubspace
-
-# Unit roundoff of float32. The embedding ``G B`` is computed in float32; each entry's rounding
-# error is modelled as at most SAFETY * u * sqrt(p_g) * ||g_g|| (random-walk growth of rounding
-# errors in a length-p_g dot product, with a wide safety factor). The residual-norm bound adds
-# the resulting slack so that rounding can only make clipping stricter, never looser.
-_U32 = 2.0**-24
-_ROUNDING_SAFETY = 16.0
 
 
 @dataclass(frozen=True)
@@ -161,10 +167,12 @@ class Mechanism(ABC):
             raise ValueError(
                 f"gradients have {grads.shape[1]} columns, layout has {subspace.layout.size}"
             )
-        clipping = self.clip(grads, subspace)
-        if clipping.dropped is not None:  # 0 * NaN is NaN: zero the rows, not only the factors
-            grads = grads.masked_fill(clipping.dropped[:, None], 0.0)
-        return self.sums(grads, subspace, clipping)
+        check_dtype(grads.dtype)
+        with ieee_matmul():  # the clip bounds assume full float32 products
+            clipping = self.clip(grads, subspace)
+            if clipping.dropped is not None:  # 0 * NaN is NaN: zero the rows, not the factors
+                grads = grads.masked_fill(clipping.dropped[:, None], 0.0)
+            return self.sums(grads, subspace, clipping)
 
     def add_noise(
         self,
@@ -211,19 +219,6 @@ class Mechanism(ABC):
         return total / expected_batch_size
 
 
-def row_norms(matrix: torch.Tensor, block_bytes: int = 64 * 2**20) -> torch.Tensor:
-    """Float64 L2 norm of each row, converting at most ``block_bytes`` of rows at a time:
-    exact enough to clip by, without a float64 copy of the whole (n, p) matrix (for a large
-    model a few rows already make a big block)."""
-    out = torch.empty(matrix.shape[0], dtype=torch.float64, device=matrix.device)
-    block = max(1, block_bytes // (8 * max(1, matrix.shape[1])))
-    for start in range(0, matrix.shape[0], block):
-        out[start : start + block] = torch.linalg.vector_norm(
-            matrix[start : start + block], dim=1, dtype=torch.float64
-        )
-    return out
-
-
 def _nonfinite_rows(norms: torch.Tensor) -> torch.Tensor | None:
     """Rows with NaN or inf (any such entry makes the row's float64 norm non-finite, and its
     embedding's too, since inf * 0 is NaN), or None when every row is finite.
@@ -235,15 +230,10 @@ def _nonfinite_rows(norms: torch.Tensor) -> torch.Tensor | None:
     return bad if bool(bad.any()) else None
 
 
-def _scale(norms: torch.Tensor, bound: float, dropped: torch.Tensor | None) -> torch.Tensor:
-    """``min(1, bound / norm)``, zero vectors left unscaled, dropped rows scaled by 0."""
-    scale = (bound / norms.clamp_min(torch.finfo(norms.dtype).tiny)).clamp_max(1.0)
-    return scale if dropped is None else scale.masked_fill(dropped, 0.0)
-
-
 def _check_bound(name: str, value: float) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    low, high = CLIP_BOUND_RANGE
+    if not (low <= value <= high):
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value}")
     return float(value)
 
 
@@ -277,29 +267,33 @@ class GEP(Mechanism):
         return noise_multiplier * self.clip_embedding, noise_multiplier * self.clip_residual
 
     def clip(self, grads, subspace):
-        emb = subspace.embed(grads)
-        emb_norm2 = row_norms(emb) ** 2
-        grad_norm2 = grads.new_zeros(grads.shape[0], dtype=torch.float64)
-        slack = torch.zeros_like(grad_norm2)
-        # Fused residual norm: ||g - B w||^2 = ||g||^2 - ||w||^2 for orthonormal B, no (n, p)
-        # residual matrix. The terms below bound what float rounding and a not exactly
-        # orthonormal B can add, so the estimate is an upper bound on the true residual norm.
-        for (cols, ks), basis in zip(subspace.group_slices(), subspace.bases, strict=True):
-            g2 = row_norms(grads[:, cols]) ** 2
-            grad_norm2 += g2
-            err = _ROUNDING_SAFETY * _U32 * math.sqrt(basis.shape[0] * basis.shape[1])
-            w_norm = row_norms(emb[:, ks])
-            slack += 2.0 * w_norm * err * g2.sqrt()
-        dropped = _nonfinite_rows(grad_norm2 + emb_norm2)
+        dtype, u = grads.dtype, unit_roundoff(grads.dtype)
+        p, k = grads.shape[1], subspace.num_basis
+        emb, emb_error, grad_norm = subspace.embed_bounded(grads)
+        emb_computed = small_row_norms(emb)
+        emb_norm = emb_computed * (1 + small_row_norms_error(k))
+        dropped = _nonfinite_rows(grad_norm + emb_norm + emb_error)
         if dropped is not None:
             emb = emb.masked_fill(dropped[:, None], 0.0)
-        ortho = subspace.orthonormality_error
-        resid2 = (grad_norm2 - emb_norm2).clamp_min(0) + ortho * emb_norm2 + slack
-        resid2 += 4 * torch.finfo(torch.float64).eps * grad_norm2
+        # Fused residual norm, no (n, p) residual matrix: for the embedding W = B^T g + e as
+        # computed, ||g - B W||^2 = ||g||^2 - ||W||^2 + 2 e.W + W^T (B^T B - I) W, each term
+        # bounded above (row_norms are upper bounds; ||W||^2 is taken from below).
+        emb_low = emb_computed * (1 - small_row_norms_error(k))
+        resid2 = (grad_norm**2 - emb_low**2).clamp_min(0)
+        resid2 += 2 * emb_error * emb_norm + subspace.orthonormality_error * emb_norm**2
+        resid_norm = (resid2 * (1 + 8 * U64)).sqrt() * (1 + 2 * U64)
+        # The released residual s (g - B W) is computed as fl(s g) - fl(B fl(s W)): each
+        # product rounds by u, the lift by gamma(k_g, u) |B| |s W|, the difference by u.
+        lift_error = (u + gamma(max(subspace.dims), u) * (1 + u)) * max(
+            subspace.frobenius_norms
+        )
+        release = (1 + u) * (resid_norm + u * grad_norm + lift_error * emb_norm)
         return PerExampleClipping(
             embedding=emb,
-            embedding_scale=_scale(emb_norm2.sqrt(), self.clip_embedding, dropped).to(grads.dtype),
-            residual_scale=_scale(resid2.sqrt(), self.clip_residual, dropped).to(grads.dtype),
+            embedding_scale=clip_factors(
+                scaled_release_norm(emb_norm, dtype), self.clip_embedding, dropped, dtype, k
+            ),
+            residual_scale=clip_factors(release, self.clip_residual, dropped, dtype, p),
             dropped=dropped,
         )
 
@@ -335,11 +329,12 @@ class BGEP(Mechanism):
 
     def clip(self, grads, subspace):
         emb = subspace.embed(grads)
-        norms = row_norms(emb)
+        norms = small_row_norms(emb) * (1 + small_row_norms_error(emb.shape[1]))
         dropped = _nonfinite_rows(norms)
         if dropped is not None:
             emb = emb.masked_fill(dropped[:, None], 0.0)
-        scale = _scale(norms, self.clip_embedding, dropped).to(grads.dtype)
+        release = scaled_release_norm(norms, grads.dtype)
+        scale = clip_factors(release, self.clip_embedding, dropped, grads.dtype, emb.shape[1])
         return PerExampleClipping(emb, scale, None, dropped)
 
     def sums(self, grads, subspace, clipping):
@@ -369,7 +364,8 @@ class GP(Mechanism):
     def clip(self, grads, subspace):
         norms = row_norms(grads)
         dropped = _nonfinite_rows(norms)
-        scale = _scale(norms, self.clip_norm, dropped).to(grads.dtype)
+        release = scaled_release_norm(norms, grads.dtype)
+        scale = clip_factors(release, self.clip_norm, dropped, grads.dtype, grads.shape[1])
         return PerExampleClipping(None, None, scale, dropped)
 
     def sums(self, grads, subspace, clipping):

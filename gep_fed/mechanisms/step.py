@@ -254,12 +254,14 @@ def clipped_sums_of_batches(
     """Clip every example's gradient and sum, one batch at a time, on the model's device.
 
     Clipping is per example and the sums are additive, so streaming batches changes nothing
-    but the memory: at most ``max_chunk`` per-example gradients exist at once. ``extra_rows``
-    are per-example gradients added as they are (audit canaries). An empty sample gives zero
+    but the memory: at most ``max_chunk`` per-example gradients exist at once. A batch may
+    carry a third tensor, ``valid``: its invalid rows (examples that failed their checks)
+    are dropped like non-finite gradients, with clip factor 0. ``extra_rows`` are
+    per-example gradients added as they are (audit canaries). An empty sample gives zero
     sums of the right shapes."""
     device = next(p for p in model.parameters() if p.requires_grad).device
     total = None
-    for inputs, targets in batches:
+    for inputs, targets, *valid in batches:
         grads = per_example_gradients(
             model,
             loss_fn,
@@ -268,6 +270,9 @@ def clipped_sums_of_batches(
             layout,
             max_chunk,
         )
+        if valid:
+            invalid = ~valid[0].to(device=device, dtype=torch.bool)
+            grads = grads.masked_fill(invalid[:, None], float("nan"))
         sums = mechanism.clipped_sums(grads, subspace)
         total = sums if total is None else total + sums
     if extra_rows is not None or total is None:

@@ -12,9 +12,25 @@ from functools import cached_property
 
 import torch
 
+from gep_fed.mechanisms.clip_bounds import (
+    U64,
+    block_row_norms,
+    check_dtype,
+    combine_block_norms,
+    gamma,
+    underflow_error,
+    unit_roundoff,
+)
 from gep_fed.mechanisms.groups import ParameterLayout
 
 GradientChunks = Callable[[], Iterable[torch.Tensor]]
+
+# Rows of a basis per float32 partial product of the bounded embedding: each partial is a
+# dot product of this length, whose rounding error is proven small (gamma(1024, u32) = 6e-5
+# relative); the partials are summed in float64.
+EMBED_BLOCK = 1024
+# Partial products computed per batched call (bounds the (blocks, n, k_g) temporary).
+_BLOCKS_PER_CALL = 256
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,64 @@ class AnchorSubspace:
             torch.matmul(grads[:, cols], basis.to(grads.dtype), out=out[:, ks])
         return out
 
+    def embed_bounded(
+        self, grads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``embed``, with a proven bound on its rounding error.
+
+        Returns the embedding ``W`` (``grads``' dtype), per row an upper bound on
+        ``||W_i - B^T g_i||`` in exact arithmetic (``B`` the bases as held), and per row an
+        upper bound on ``||g_i||`` (from the same block norms). Each group's
+        product is summed from partial products over ``EMBED_BLOCK`` rows of the basis, each
+        within ``gamma(EMBED_BLOCK, u) sum_j |g_j| |B_jl|``, which Cauchy-Schwarz bounds by the
+        block norms of ``g`` and of ``B``'s columns; the partials are summed in float64."""
+        check_dtype(grads.dtype)
+        n, dtype = grads.shape[0], grads.dtype
+        u, eta = unit_roundoff(dtype), underflow_error(dtype)
+        out = grads.new_empty(n, self.num_basis)
+        err2 = torch.zeros(n, dtype=torch.float64, device=grads.device)
+        grad_blocks = []
+        for (cols, ks, basis), block_norms in zip(self._pairs(), self._block_norms, strict=True):
+            g, b = grads[:, cols], basis.to(dtype)
+            p_g, k_g = b.shape
+            acc = torch.zeros(n, k_g, dtype=torch.float64, device=grads.device)
+            for start in range(0, p_g, EMBED_BLOCK * _BLOCKS_PER_CALL):
+                stop = min(p_g, start + EMBED_BLOCK * _BLOCKS_PER_CALL)
+                full = (stop - start) // EMBED_BLOCK * EMBED_BLOCK
+                if full:
+                    blocks = full // EMBED_BLOCK
+                    gb = g[:, start : start + full].reshape(n, blocks, EMBED_BLOCK)
+                    bb = b[start : start + full].reshape(blocks, EMBED_BLOCK, k_g)
+                    acc += torch.bmm(gb.transpose(0, 1), bb).sum(0, dtype=torch.float64)
+                if start + full < stop:
+                    acc += (g[:, start + full : stop] @ b[start + full : stop]).double()
+            out[:, ks] = acc.to(dtype)
+            blocks = block_norms.shape[0]
+            g_norms = block_row_norms(g, EMBED_BLOCK)  # (n, blocks), upper bounds
+            grad_blocks.append(g_norms)
+            partial = g_norms @ block_norms  # (n, k_g): >= sum_j |g_j||B_jl|, blockwise
+            rel = gamma(EMBED_BLOCK, u) + 2 * gamma(blocks + 1, U64)
+            entry = rel * partial + (p_g + 1) * eta
+            entry = entry + u * (1 + 2 * u) * out[:, ks].abs().double()  # the final rounding
+            norm = torch.linalg.vector_norm(entry, dim=1) * (1 + gamma(k_g + blocks + 4, U64))
+            err2 += norm**2
+        grad_norms = combine_block_norms(torch.cat(grad_blocks, 1))
+        return out, err2.sqrt() * (1 + 2 * U64), grad_norms
+
+    @cached_property
+    def _block_norms(self) -> tuple[torch.Tensor, ...]:
+        """Per group, the float64 norms of each ``EMBED_BLOCK`` rows of each basis column,
+        raised to upper bounds: ``(blocks, k_g)``."""
+        return tuple(block_row_norms(b.T.contiguous(), EMBED_BLOCK).T for b in self.bases)
+
+    @cached_property
+    def frobenius_norms(self) -> tuple[float, ...]:
+        """Upper bounds on each basis's Frobenius norm (``sqrt(k_g)`` when orthonormal)."""
+        return tuple(
+            float(torch.linalg.matrix_norm(b.double())) * (1 + gamma(b.numel() + 2, U64))
+            for b in self.bases
+        )
+
     def lift(self, embedding: torch.Tensor) -> torch.Tensor:
         """``(k,) -> (p,)`` or ``(n, k) -> (n, p)``: back to parameter space."""
         batched = embedding.ndim == 2
@@ -105,12 +179,16 @@ class AnchorSubspace:
 
     @cached_property
     def orthonormality_error(self) -> float:
-        """``max_g ||B_g^T B_g - I||_F`` in float64 (0 for an exactly orthonormal basis)."""
+        """``max_g ||B_g^T B_g - I||_F`` (0 for an exactly orthonormal basis), computed in
+        float64 and raised by that computation's own rounding bound, so it is an upper bound."""
         errs = []
         for b in self.bases:
             b64 = b.double()
             eye = torch.eye(b.shape[1], dtype=torch.float64, device=b.device)
-            errs.append(torch.linalg.matrix_norm(b64.T @ b64 - eye).item())
+            computed = torch.linalg.matrix_norm(b64.T @ b64 - eye).item()
+            # each entry of B^T B is a length-p dot product of columns of norm ~1
+            slack = b.shape[1] * gamma(b.shape[0] + 2, U64) * (1 + computed) ** 2
+            errs.append(computed + slack)
         return max(errs)
 
     def projection_error(self, grads: torch.Tensor) -> float:

@@ -1,0 +1,63 @@
+"""``gep-fed site check``: a site finds its own data problems before it joins, since a run
+drops a bad example silently (issue 19, point 2)."""
+
+import numpy as np
+
+from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
+from gep_fed.cli.main import main
+from gep_fed.data.datasets import load_digits
+from gep_fed.federation.site_check import check_site
+
+
+def site(tmp_path, labels=None, ledger=True) -> dict:
+    data = load_digits().subset(np.arange(200))
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "data.npz"
+    np.savez(path, images=data.images, labels=data.labels if labels is None else labels)
+    ledger_path = tmp_path / "ledger.json"
+    if ledger:
+        key = create_ledger_key(default_key_path(ledger_path))
+        PrivacyLedger.open(ledger_path, 1e-5, None, "h1", key=key, create=True)
+    return {
+        "site-id": "h1",
+        "task": "digits",
+        "data-path": str(path),
+        "ledger-path": str(ledger_path),
+        "epsilon-budget": 8.0,
+        "delta": 1e-5,
+    }
+
+
+def node_config_string(config: dict) -> str:
+    return " ".join(
+        f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in config.items()
+    )
+
+
+def test_a_ready_site_passes_its_check(tmp_path, capsys):
+    result = check_site(site(tmp_path))
+    assert result.ok and result.examples == 200 and not result.problems
+    assert main(["site", "check", "--node-config", node_config_string(site(tmp_path / "b"))]) == 0
+    assert "ready to join" in capsys.readouterr().out
+
+
+def test_the_check_names_each_example_a_run_would_drop(tmp_path, capsys):
+    labels = load_digits().labels[:200].copy()
+    labels[[3, 50]] = [10, 12]
+    config = site(tmp_path, labels)
+    result = check_site(config)
+    assert [i for i, _ in result.problems] == [3, 50]
+    assert "does not suit a multiclass model of 10 output(s)" in result.problems[0][1]
+    assert main(["site", "check", "--node-config", node_config_string(config)]) == 1
+    out = capsys.readouterr().out
+    assert "example 3: target 10" in out and "NOT ready to join" in out
+
+
+def test_the_check_reports_a_missing_task_ledger_or_data_file(tmp_path):
+    config = site(tmp_path)
+    assert "needs 'task'" in check_site({k: v for k, v in config.items() if k != "task"}).errors[0]
+    missing = check_site({**config, "data-path": str(tmp_path / "none.npz")})
+    assert not missing.ok and "none.npz" in missing.errors[0]
+    unledgered = site(tmp_path / "c", ledger=False)
+    assert "key" in check_site(unledgered).errors[0]
+    assert check_site({**unledgered, "new-ledger": True}).ok
