@@ -542,7 +542,13 @@ def test_a_restored_ledger_or_a_reopened_one_stops_the_site(tmp_path, digits, ho
         site_ledger(hospital)
     ledger.unlink()
     reopened = {**hospital, "new-ledger": True}
+    client_app._SITES.clear()  # the SuperNode restarted with new-ledger in its node config
     reply, _ = answer(round_message(server, 4), reopened, server.cfg)
+    assert refused(reply, "site error")
+    assert not ledger.exists()
+    # the mark deleted too, the key kept: new-ledger still creates nothing (one-shot)
+    (tmp_path / "site" / "ledger.json.key.mark").unlink()
+    reply, _ = answer(round_message(server, 5), reopened, server.cfg)
     assert refused(reply, "site error")
     assert not ledger.exists()
 
