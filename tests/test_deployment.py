@@ -88,7 +88,7 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
         assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3
         assert placements == ["trusted-server"] * 2 + ["local"] * 6
         assert ledger.epsilon() <= 8.0
-    assert "epsilon" in done.stdout and "HMAC verified" in done.stdout
+    assert "epsilon" in done.stdout and "HMAC and high-water mark verified" in done.stdout
     assert (
         "TLS" in GUIDE.read_text()
         and "--enable-supernode-auth" in (ROOT / "deploy" / "start-superlink.sh").read_text()
