@@ -61,3 +61,18 @@ def test_the_check_reports_a_missing_task_ledger_or_data_file(tmp_path):
     unledgered = site(tmp_path / "c", ledger=False)
     assert "key" in check_site(unledgered).errors[0]
     assert check_site({**unledgered, "new-ledger": True}).ok
+
+
+def test_the_check_finds_a_task_named_by_import_path_in_the_app_folder(tmp_path, monkeypatch):
+    """As the ClientApp loads the task from the app bundle's folder, so does the check."""
+    app = tmp_path / "app"
+    (app / "hospital_tasks").mkdir(parents=True)
+    (app / "hospital_tasks" / "__init__.py").write_text(
+        "from gep_fed.data.tasks import DigitsTask as Digits\n"
+    )
+    config = {**site(tmp_path / "s"), "task": "hospital_tasks:Digits"}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    args = ["site", "check", "--node-config", node_config_string(config)]
+    assert main(args) == 1  # not importable from here
+    assert main([*args, "--app-dir", str(app)]) == 0

@@ -208,6 +208,8 @@ def _site_check(args: argparse.Namespace) -> int:
 
     from gep_fed.federation.site_check import check_site
 
+    # A task named by import path lives in the app the site reviewed, as the ClientApp sees it.
+    sys.path.insert(0, str(Path(args.app_dir).resolve()))
     node_config = parse_config_args([args.node_config])
     bar = None
 
@@ -453,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-config",
         required=True,
         help="the SuperNode's --node-config string, e.g. 'site-id=\"h1\" task=\"digits\" ...'",
+    )
+    check.add_argument(
+        "--app-dir",
+        default=".",
+        help="the folder of the app the site reviewed, where a task named by import path "
+        "lives (default: the current folder)",
     )
     check.set_defaults(func=_site_check)
     return parser
