@@ -320,6 +320,8 @@ def _opt(default, help_text: str):
 
 
 PARTITIONS = ("iid", "dirichlet")
+# A run config's value that means "not given" (see FederationConfig.from_record).
+RUN_CONFIG_DEFAULT = "default"
 DEVICES = ("auto", "cpu", "cuda")
 BASIS_DTYPES = ("float32", "float16")
 
@@ -515,9 +517,12 @@ class FederationConfig:
             )
 
     @classmethod
-    def for_task(cls, task: str = "digits", **settings) -> FederationConfig:
-        """A run of ``task`` with the task's ``recommended_settings`` (e.g. what won its
-        validation sweep) as defaults, below ``settings`` (snake_case fields)."""
+    def for_task(cls, task: str | None = None, **settings) -> FederationConfig:
+        """The one resolution of a run's settings, on every path (``gep-fed simulate`` and
+        ``compare``, the ServerApp under ``flwr run``, the library): the field defaults, under
+        ``task``'s ``recommended_settings`` (e.g. what won its validation sweep), under
+        ``settings`` (snake_case fields). ``task`` None is the default task."""
+        task = cls.__dataclass_fields__["task"].default if task is None else task
         from gep_fed.data.task import resolve_task
 
         try:
@@ -597,7 +602,12 @@ class FederationConfig:
 
     @classmethod
     def from_record(cls, values: Mapping[str, object]) -> FederationConfig:
-        """From a kebab- or snake-case mapping (Flower run config, JSON), naming bad keys."""
+        """From a kebab- or snake-case mapping (a Flower run config, JSON), naming bad keys,
+        resolved as ``for_task`` resolves (defaults, the task's recommendations, the values).
+
+        A Flower run config must list every key (``flwr run --run-config`` overrides only
+        keys the app's ``pyproject.toml`` has), so there a value ``"default"`` means "not
+        given": the task's recommendation, else the field's default, applies."""
         known = {f.name: f for f in fields(cls)}
         kwargs = {}
         for key, value in values.items():
@@ -606,6 +616,8 @@ class FederationConfig:
                 raise ConfigError(
                     f"unknown setting {key!r}; known: {sorted(k.replace('_', '-') for k in known)}"
                 )
+            if value == RUN_CONFIG_DEFAULT:
+                continue
             means_none = (
                 (name == "noise_multiplier" and value == "auto")
                 or (name in ("num_anchors", "total_examples") and value == 0)
@@ -620,4 +632,12 @@ class FederationConfig:
             ):
                 value = float(value)
             kwargs[name] = value
-        return cls(**kwargs)
+        return cls.for_task(**kwargs)
+
+    @classmethod
+    def run_config_template(cls) -> dict:
+        """The ``[tool.flwr.app.config]`` table of an app's ``pyproject.toml``: every key, with
+        the default task and ``"default"`` for the rest (pinned by a test)."""
+        template = {f.name.replace("_", "-"): RUN_CONFIG_DEFAULT for f in fields(cls)}
+        template["task"] = cls.__dataclass_fields__["task"].default
+        return template

@@ -6,13 +6,43 @@ from pathlib import Path
 import pytest
 
 from gep_fed.config import ConfigError, FederationConfig, GEPConfig
+from gep_fed.data.tasks import BUILT_IN_TASKS
+
+ROOT = Path(__file__).parents[1]
 
 
-def test_flower_run_config_in_pyproject_matches_the_defaults():
-    data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+def test_flower_run_config_in_pyproject_lists_every_field_and_leaves_each_to_the_resolution():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     run_config = data["tool"]["flwr"]["app"]["config"]
-    assert FederationConfig.from_record(run_config) == FederationConfig()
-    assert run_config == FederationConfig().to_record()
+    assert run_config == FederationConfig.run_config_template()
+    assert FederationConfig.from_record(run_config) == FederationConfig.for_task()
+
+
+@pytest.mark.parametrize("task", sorted(BUILT_IN_TASKS))
+def test_cli_flwr_run_and_library_resolve_the_same_settings_for_every_built_in_task(task):
+    """Issue 20: one resolution on every path. ``flwr run`` fuses the app's pyproject run
+    config with the overrides (Flower's own function) and the ServerApp reads it;
+    ``gep-fed simulate`` and ``compare`` parse their options; the library calls for_task."""
+    from flwr.common.config import get_fused_config_from_dir
+
+    from gep_fed.cli.main import build_parser, federation_config
+
+    library = FederationConfig.for_task(task)
+    flwr_run = FederationConfig.from_record(get_fused_config_from_dir(ROOT, {"task": task}))
+    for command in ("simulate", "compare"):
+        cli = federation_config(build_parser().parse_args([command, "--task", task]))
+        assert cli == library, command
+    assert flwr_run == library
+    # the task's recommendations apply, and options given override them on every path
+    for key, value in BUILT_IN_TASKS[task].recommended_settings.items():
+        assert getattr(library, key) == value
+    given = FederationConfig.for_task(task, rounds=7, clip_residual=0.3)
+    overridden = get_fused_config_from_dir(ROOT, {"task": task, "rounds": 7, "clip-residual": 0.3})
+    assert FederationConfig.from_record(overridden) == given
+    args = build_parser().parse_args(
+        ["simulate", "--task", task, "--rounds", "7", "--clip-residual", "0.3"]
+    )
+    assert federation_config(args) == given
 
 
 @pytest.mark.parametrize(
