@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 from audit_variants import VARIANTS, langevin_noise_cut_a_hundredfold, noise_quartered
 
-from gep_fed.accounting.audit import (
-    AuditSetup,
+from gep_fed.audit.bounds import (
     epsilon_lower_bound,
     fitted_mu_lower_bound,
     gdp_epsilon,
     gdp_mu_lower_bound,
     p_value,
-    run_audit,
 )
+from gep_fed.audit.harness import AuditSetup, run_audit
 
 
 def test_all_guesses_right_without_delta_gives_the_randomised_response_bound():
@@ -86,6 +85,7 @@ def test_the_fitted_mu_covers_the_true_shift_at_its_confidence():
     assert fitted_mu_lower_bound(scores / 2 + 0.25 * included, included) > 1.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
@@ -101,6 +101,7 @@ def test_an_honest_run_audits_below_its_claim_and_above_zero(mechanism, mode, ep
     assert result.placement == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize(
@@ -151,6 +152,7 @@ def test_langevin_multi_pass_is_audited_on_its_iterates():
     assert result.epsilon_lower_bound <= result.claimed_epsilon_pld
 
 
+@pytest.mark.slow
 def test_gep_fed_audit_prints_the_claim_and_the_bound_and_writes_them(tmp_path):
     command = Path(sys.executable).parent / "gep-fed"
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""Privacy accounting: events composed by ``dp-accounting``, the ledger, the empirical audit."""
+"""Privacy accounting: events composed by ``dp-accounting``, and the ledger."""
 
 from gep_fed.accounting.events import (
     RDP_ORDERS,

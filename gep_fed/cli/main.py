@@ -228,7 +228,7 @@ def _site_check(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     import json
 
-    from gep_fed.accounting.audit import AuditSetup, report_lines, run_audit
+    from gep_fed.audit.harness import AuditSetup, report_lines, run_audit
 
     setup = AuditSetup(
         mechanism=args.mechanism,

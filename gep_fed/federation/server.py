@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,11 +39,9 @@ from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import check_linear
 from gep_fed.mechanisms.mechanism import ClippedSums, calibrate_noise_multiplier
 from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.step import write_gradient
 from gep_fed.mechanisms.subspace import AnchorSubspace
-
-if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.accounting.audit import GradientCanaries
 
 
 @dataclass(frozen=True)
@@ -87,10 +85,19 @@ class FederationServer:
         run: the run directory (ledger, metrics, checkpoints).
         total_examples: N, the declared union size (central mode normalisation; None in
             client-side mode, where each site divides by its own size).
+        observers: release observers (``gep_fed.mechanisms.observer``): each sees every
+            central release once the server's noise is added. The server forms no clipped
+            sums, so it asks none of them for rows. Never attached in a real run.
     """
 
     def __init__(
-        self, cfg: FederationConfig, task: Task, run: RunDirectory, total_examples: int | None
+        self,
+        cfg: FederationConfig,
+        task: Task,
+        run: RunDirectory,
+        total_examples: int | None,
+        *,
+        observers: Iterable[ReleaseObserver] = (),
     ) -> None:
         self.cfg = cfg
         self.run = run
@@ -124,8 +131,7 @@ class FederationServer:
         self.subspace: AnchorSubspace | None = None
         self.basis_id = -1
         self._basis_arrays: dict | None = None
-        # Audit canaries (accounting.audit): scored against each central release. Audits only.
-        self.canaries: GradientCanaries | None = None
+        self.observers = Observers(observers)
 
     # -- accounting --------------------------------------------------------------------
 
@@ -238,8 +244,9 @@ class FederationServer:
         )
         self.ledger.check_budget(self.round_events(round_))
         noisy = self.mechanism.add_noise(total, self.sigma, self.noise)
-        if self.canaries is not None:
-            self.canaries.observe(noisy, self.sigma, self.contract.sample_rate)
+        self.observers.notify(
+            NoisyRelease(noisy, self.sigma, self.contract.sample_rate, self.mechanism)
+        )
         estimate = self.mechanism.reconstruct(
             noisy, self.subspace, self.contract.sample_rate * self.total_examples
         )

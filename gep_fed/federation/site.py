@@ -16,10 +16,9 @@ chunks of ``max_chunk`` examples, clipping and summing chunk by chunk.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +36,11 @@ from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
 from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.observer import Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import LossFn, validate_model
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep, clipped_sums_of_batches
 from gep_fed.mechanisms.subspace import AnchorSubspace
-
-if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.accounting.audit import GradientCanaries
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -81,6 +78,10 @@ class Site:
         sampler_generator: Poisson sampling randomness (None: seeded from the OS).
         max_chunk: at most this many examples are loaded and differentiated at once.
         num_workers: ``DataLoader`` worker processes that decode the sampled examples.
+        observers: release observers (``gep_fed.mechanisms.observer``) of every release the
+            site computes: their extra rows join its samples' clipped sums, and in client-side
+            mode each sees the noisy release of every local step. One that adds rows changes
+            the site's private sums: never in a real run (the Flower apps attach none).
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class Site:
         sampler_generator: torch.Generator | None = None,
         max_chunk: int = 128,
         num_workers: int = 0,
+        observers: Iterable[ReleaseObserver] = (),
     ) -> None:
         validate_model(model)
         if len(dataset) == 0:
@@ -115,8 +117,7 @@ class Site:
         self.sampler_generator = sampler_generator
         self.max_chunk = max_chunk
         self.num_workers = num_workers
-        # Audit canaries (accounting.audit): gradients that join this site's samples. Audits only.
-        self.canaries: GradientCanaries | None = None
+        self.observers = Observers(observers)
 
     @property
     def num_examples(self) -> int:
@@ -206,9 +207,7 @@ class Site:
         the site trusts. Recorded in the site's ledger as noised by that server."""
         self.ledger.record(*self.round_events(rc))
         sub = subspace.to(self.device) if subspace is not None else None
-        extra = None
-        if self.canaries is not None:
-            extra = self.canaries.sample_rows(sub, rc.privacy.sample_rate)
+        extra = self.observers.rows(sub, rc.privacy.sample_rate)
         return clipped_sums_of_batches(
             self.model,
             self.loss_fn,
@@ -239,7 +238,7 @@ class Site:
             ledger=self.ledger,
             party=self.site_id,
             round=rc.round,
-            canaries=self.canaries,
+            observers=self.observers,
         )
         if subspace is not None:
             step.set_subspace(subspace)
@@ -266,6 +265,7 @@ class Site:
             noise=self.noise,
             generator=self.sampler_generator,
             party=self.site_id,
+            observers=self.observers,
         )
 
     def _langevin_update(self, rc: RoundConfig) -> torch.Tensor:

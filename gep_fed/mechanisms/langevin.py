@@ -39,8 +39,8 @@ and the accountant refuses to mix them):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -51,11 +51,9 @@ from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import GP, ClippedSums
 from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import IncompatibleModelError, LossFn, per_example_gradients
 from gep_fed.mechanisms.sampling import PoissonSampler
-
-if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.accounting.audit import GradientCanaries
 
 SCHEDULES = ("single-pass", "multi-pass")
 
@@ -284,6 +282,9 @@ class LangevinTrainer:
         loss_fn: single pass: ``F.cross_entropy`` only (its bounds are known).
         noise: Gaussian noise source (cryptographically seeded by default).
         generator: data order / sampling randomness (None: seeded from the OS).
+        observers: release observers (``gep_fed.mechanisms.observer``): their extra rows join
+            every step's sample, and in the multi-pass schedule each sees every iterate's
+            release. One that adds rows changes the private sums: never in a real run.
 
     Raises:
         ValueError: single pass, when a condition of amplification by iteration fails.
@@ -299,6 +300,7 @@ class LangevinTrainer:
         noise: NoiseSource | None = None,
         generator: torch.Generator | None = None,
         party: str = "",
+        observers: Iterable[ReleaseObserver] = (),
     ) -> None:
         self.layer = check_linear(model)
         if config.schedule == "single-pass":
@@ -310,13 +312,13 @@ class LangevinTrainer:
         self.generator = generator
         self.party = party
         self._clip = GP(config.grad_bound)
-        # Audit canaries (accounting.audit): gradients that join multi-pass samples. Audits only.
-        self.canaries: GradientCanaries | None = None
+        self.observers = Observers(observers)
 
     def _mean_clipped_gradient(self, x, y, divide_by: float, sample_rate: float = 1.0):
         grads = per_example_gradients(self.model, self.loss_fn, x, y, self.layout)
-        if self.canaries is not None:
-            grads = torch.cat([grads, self.canaries.sample_rows(None, sample_rate).to(grads)])
+        extra = self.observers.rows(None, sample_rate)
+        if extra is not None:
+            grads = torch.cat([grads, extra.to(grads)])
         return self._clip.clipped_sums(grads, None).residual / divide_by
 
     def _set(self, flat: torch.Tensor) -> None:
@@ -412,13 +414,13 @@ class LangevinTrainer:
             self._set(w)
             grad = self._mean_clipped_gradient(x[idx], y[idx], float(c.batch), q)
             before, w = w, langevin_update(w, grad, eta, lam, c.beta0, self.noise)
-            if self.canaries is not None:
+            if self.observers:
                 self._observe_release(before, w, eta, lam, q)
         self._set(w)
         return used
 
     def _observe_release(self, before, after, eta: float, lam: float, q: float) -> None:
-        """What an auditor who sees every iterate learns from one step: the noisy clipped
+        """What an observer who sees every iterate learns from one step: the noisy clipped
         gradient sum ``b (before - after / (1 - lambda eta)) / eta``, with noise std
         ``sqrt(lambda eta (2 - lambda eta) beta0) b / ((1 - lambda eta) eta)``."""
         c, shrink = self.config, lam * eta
@@ -427,7 +429,9 @@ class LangevinTrainer:
         scale = c.batch / ((1 - shrink) * eta)
         released = (before * (1 - shrink) - after) * scale
         std = math.sqrt(shrink * (2 - shrink) * c.beta0) * scale
-        self.canaries.observe(ClippedSums(None, released), std / c.grad_bound, q)
+        self.observers.notify(
+            NoisyRelease(ClippedSums(None, released), std / c.grad_bound, q, self._clip)
+        )
 
 
 __all__ = [

@@ -16,7 +16,6 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +27,11 @@ from gep_fed.mechanisms.anchors import AnchorResult, compute_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import LossFn, per_example_gradients, validate_model
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-if TYPE_CHECKING:  # the audit builds on this module
-    from gep_fed.accounting.audit import GradientCanaries
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,9 @@ class GEPStep:
         generator: public randomness (anchor subset, random labels, power-method start).
         party: recorded with each event (e.g. a site id).
         round: recorded with each event (a federated round), if given.
-        canaries: audit canaries (``gep_fed.accounting.audit``): their sampled gradients join each
-            batch and every noisy release is scored against them. Audits only.
+        observers: release observers (``gep_fed.mechanisms.observer``), called at each step:
+            their extra rows join the sample's clipped sums, and each sees the noisy
+            release. One that adds rows changes the private sums: never in a real run.
     """
 
     def __init__(
@@ -79,7 +77,7 @@ class GEPStep:
         generator: torch.Generator | None = None,
         party: str = "",
         round: int | None = None,
-        canaries: GradientCanaries | None = None,
+        observers: Iterable[ReleaseObserver] = (),
     ) -> None:
         validate_model(model)
         if dataset_size < 1:
@@ -95,7 +93,7 @@ class GEPStep:
         self.generator = generator
         self.party = party
         self.round = round
-        self.canaries = canaries
+        self.observers = Observers(observers)
         self.layout = ParameterLayout.from_model(model, config.groups)
         self.mechanism = config.contract.build_mechanism()
         if config.residual_quantile is not None:
@@ -161,9 +159,7 @@ class GEPStep:
     def clipped_sums(self, batches: Iterable[Batch]) -> ClippedSums:
         """Per-example gradients of a private sample, clipped and summed batch by batch
         (not yet private)."""
-        extra = None
-        if self.canaries is not None:
-            extra = self.canaries.sample_rows(self.subspace, self.config.sample_rate)
+        extra = self.observers.rows(self.subspace, self.config.sample_rate)
         return clipped_sums_of_batches(
             self.model,
             self.loss_fn,
@@ -214,8 +210,9 @@ class GEPStep:
         noisy = self.mechanism.add_noise(
             sums, self.config.noise_multiplier, self.noise, self.count_noise
         )
-        if self.canaries is not None:
-            self.canaries.observe(noisy, self.config.noise_multiplier, self.config.sample_rate)
+        self.observers.notify(
+            NoisyRelease(noisy, config.noise_multiplier, config.sample_rate, self.mechanism)
+        )
         estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
         write_gradient(self.model, self.layout, estimate)
         if self._released.maxlen:
@@ -257,7 +254,7 @@ def clipped_sums_of_batches(
     but the memory: at most ``max_chunk`` per-example gradients exist at once. A batch may
     carry a third tensor, ``valid``: its invalid rows (examples that failed their checks)
     are dropped like non-finite gradients, with clip factor 0. ``extra_rows`` are
-    per-example gradients added as they are (audit canaries). An empty sample gives zero
+    per-example gradients added as they are (a release observer's). An empty sample gives zero
     sums of the right shapes."""
     device = next(p for p in model.parameters() if p.requires_grad).device
     total = None
