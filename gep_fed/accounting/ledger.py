@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gep_fed.accounting.events import PrivacyEvent, epsilon_pld, epsilon_rdp
+from gep_fed.files import write_bytes_atomically
 
 FORMAT = "gep-fed-ledger/1"
 MARK_FORMAT = "gep-fed-ledger-mark/1"
@@ -223,7 +224,7 @@ class PrivacyLedger:
                         f"ledger {target} was changed by another process since it was read; "
                         "not overwriting it (reopen it and record again)"
                     )
-            _write_atomically(target, text)
+            write_bytes_atomically(target, text.encode())
             if target == self.path:
                 self._disk_digest = hashlib.sha256(text.encode()).hexdigest()
                 if self.key is not None and self.mark_path is not None:
@@ -372,25 +373,6 @@ def _locked(path: Path):
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _fsync_directory(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (POSIX: the rename lives in the directory)."""
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_directory(path.parent)  # the rename lives in the directory: a power loss can undo it
-
-
 @dataclass(frozen=True)
 class HighWaterMark:
     """The most a keyed ledger ever recorded: steps and RDP epsilon at its delta.
@@ -418,8 +400,7 @@ class HighWaterMark:
     def write(self, path: Path, key: bytes) -> None:
         body = self._body()
         body["hmac-sha256"] = _mac(key, body, domain=b"mark:")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, json.dumps(body, indent=1))
+        write_bytes_atomically(path, json.dumps(body, indent=1).encode())
 
     @classmethod
     def read(cls, path: Path, key: bytes, missing_ok: bool = False) -> HighWaterMark | None:

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gep_fed.files import write_atomically
+
 SCATTER_INSTALL = "pip install 'kymatio>=0.3'"
 DEFAULT_J, DEFAULT_L = 2, 8
 
@@ -184,11 +186,8 @@ def scatter_features(
         starts = tqdm(starts, desc="scattering")
     for start in starts:
         out[start : start + batch_size] = net(x[start : start + batch_size])
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(out, tmp)
-        tmp.replace(path)
+    if path is not None:  # another process computing the same features at once: both succeed
+        write_atomically(path, lambda fh: torch.save(out, fh))
     return out
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from gep_fed.files import write_atomically, write_bytes_atomically
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 LEDGER = "ledger.json"
@@ -23,15 +25,6 @@ REPORT = "report.md"
 
 class RunDirectoryError(ValueError):
     """The run directory is missing, not a run directory, or damaged."""
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class RunDirectory:
@@ -70,7 +63,7 @@ class RunDirectory:
 
     def write_json(self, name: str, payload: dict) -> Path:
         path = self.file(name)
-        atomic_write_bytes(path, (json.dumps(payload, indent=1, default=str) + "\n").encode())
+        write_bytes_atomically(path, (json.dumps(payload, indent=1, default=str) + "\n").encode())
         return path
 
     def read_json(self, name: str) -> dict:
@@ -101,13 +94,7 @@ class RunDirectory:
         return rows
 
     def save_torch(self, name: str, payload: dict) -> Path:
-        path = self.file(name)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        return path
+        return write_atomically(self.file(name), lambda fh: torch.save(payload, fh))
 
     def load_torch(self, name: str) -> dict | None:
         path = self.file(name)
