@@ -157,7 +157,7 @@ def test_server_refuses_a_corrupted_ledger_and_leaves_it_untouched(tmp_path, dig
 
 
 def test_noise_seeding_is_recorded_in_the_run_directory(tmp_path):
-    from gep_fed.flower.serverapp import build_strategy
+    from gep_fed.flower.strategy import GEPStrategy
 
     for seed, expected in ((None, "NoiseSource(cryptographic)"), (5, "NoiseSource(seed=5)")):
         fed = FederationConfig(
@@ -167,7 +167,7 @@ def test_noise_seeding_is_recorded_in_the_run_directory(tmp_path):
             run_name=f"s{seed}",
             noise_seed=seed,
         )
-        build_strategy(fed, 0, progress=False)
+        GEPStrategy.from_config(fed, 0, progress=False)
         config = json.loads((tmp_path / f"s{seed}" / "config.json").read_text())
         assert config["noise"] == expected
         assert config["noise-seed"] == (-1 if seed is None else seed)

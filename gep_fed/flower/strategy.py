@@ -4,15 +4,19 @@ Each round: stop if the round would exceed the budget; compute the anchor subspa
 and send weights, basis and round config to every site; validate every reply (a bad one is
 rejected, named in the log and in the round's metrics, and the round goes on with the
 others); aggregate with central noise or average the sites' noisy deltas; evaluate on the
-server's data; record the round in the ledger, checkpoint, and append the round's metrics.
+server's data (and with the caller's ``evaluate_fn``); record the round in the ledger,
+checkpoint, and append the round's metrics.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
+import numpy as np
+import torch
 from flwr.app import (
     Array,
     ArrayRecord,
@@ -27,18 +31,77 @@ from flwr.serverapp.strategy import Result, Strategy
 from tqdm.auto import tqdm
 
 from gep_fed.accounting.ledger import BudgetExceededError
+from gep_fed.config import FederationConfig
 from gep_fed.federation import wire
+from gep_fed.federation.rundir import CONFIG, RunDirectory
 from gep_fed.federation.server import FederationServer
 
 log = logging.getLogger("gep_fed.server")
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+# The fingerprint of the initial model a run started from: a resume must start from the same.
+INITIAL_MODEL = "initial-model.json"
+INITIAL_SHA256 = "initial-arrays-sha256"  # null: the task's model, seeded by the run's seed
+
+TRAIN_CONFIG_REFUSED = (
+    "GEPStrategy builds every round's config from its FederationConfig "
+    "(gep_fed.federation.wire.RoundConfig), and each site checks it against its own policy "
+    "and refuses keys it does not know, so no setting reaches a site any other way. Set "
+    "training options on the FederationConfig (e.g. local_steps, local_lr)"
+)
+EVALUATE_CONFIG_REFUSED = (
+    "GEPStrategy runs no federated evaluation: a site's metrics on its own data would be a "
+    "release outside the privacy guarantee. Evaluate on the server with evaluate_fn"
+)
 
 
 def _arrays(values: dict) -> ArrayRecord:
     return ArrayRecord({name: Array(value) for name, value in values.items()})
 
 
+def _refuse_config(name: str, config: ConfigRecord | None, why: str) -> None:
+    if config:
+        raise ValueError(f"{name} {sorted(config)} is not accepted: {why}")
+
+
+def _fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of a state dict's names, dtypes, shapes and values."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        value = state[name].detach().cpu().contiguous().numpy()
+        digest.update(f"{name}\0{value.dtype.str}\0{value.shape}\0".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def _merge(record: dict, extra: MetricRecord | None) -> MetricRecord:
+    """Add ``evaluate_fn``'s metrics to the round's ``record`` (a key GEP records itself is
+    refused) and return the round's ``MetricRecord``: GEP's numeric metrics and all of
+    ``evaluate_fn``'s."""
+    extra = dict(extra or {})
+    clash = sorted(set(extra) & set(record))
+    if clash:
+        raise ValueError(
+            f"evaluate_fn returned {clash} in round {record['round']}: GEPStrategy records "
+            "these keys itself; rename them"
+        )
+    record.update(extra)
+    numeric = {
+        k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    return MetricRecord({**numeric, **extra})
+
+
+def _describe(fingerprint: str | None) -> str:
+    return "the task's seeded model" if fingerprint is None else f"arrays {fingerprint[:12]}"
+
+
 class GEPStrategy(Strategy):
     """Federated GEP / B-GEP / GP in central or client-side mode.
+
+    Build it with ``GEPStrategy.from_config``; ``start`` runs it as Flower runs its own
+    strategies and returns a ``Result`` holding the final global model.
 
     Args:
         server: the federation's state (model, anchors, ledger, run directory).
@@ -60,7 +123,75 @@ class GEPStrategy(Strategy):
         self._round_info: dict = {}
         self.stop_reason: str | None = None
 
+    @classmethod
+    def from_config(
+        cls,
+        fed: FederationConfig,
+        run_id: int | str,
+        *,
+        progress: bool = True,
+        on_round: Callable[[dict], None] | None = None,
+    ) -> GEPStrategy:
+        """The strategy for ``fed``: its run directory (new, or resumed if it has a
+        checkpoint and was started with the same settings), the task's public anchors and
+        server test set, and the federation server with its noise and ledger.
+
+        Args:
+            fed: the run's settings. Its privacy settings (mechanism, sigma or the budget it
+                is calibrated from, q, clip norms) reach the sites only in each round's
+                config, which every site checks against its own policy before computing.
+            run_id: names the run directory when ``fed.run_name`` is empty (a ServerApp
+                passes ``context.run_id``).
+            progress, on_round: as for ``GEPStrategy``.
+
+        Raises:
+            ValueError: the run directory was started with different settings.
+
+        In your own Flower app, pair it with ``gep_fed.flower.make_client_app``::
+
+            # server_app.py
+            app = ServerApp()
+
+            @app.main()
+            def main(grid: Grid, context: Context) -> None:
+                fed = FederationConfig.from_record(context.run_config)
+                strategy = GEPStrategy.from_config(fed, context.run_id)
+                result = strategy.start(
+                    grid,
+                    initial_arrays=ArrayRecord(public_model.state_dict()),  # optional
+                    evaluate_fn=evaluate,  # optional: (round, arrays) -> MetricRecord
+                )
+                torch.save(result.arrays.to_torch_state_dict(), "final_model.pt")
+
+            # client_app.py: a site; its privacy policy and ledger come from its node config
+            app = make_client_app()
+        """
+        run = RunDirectory(fed.run_directory(run_id))
+        run.path.mkdir(parents=True, exist_ok=True)
+        task = fed.make_task()
+        total = fed.total_examples
+        if total is None and fed.mode == "central":  # a simulation: the pooled data is the union
+            total = len(task.train_dataset())
+            log.info("total-examples not declared: using the simulation's pooled size N=%d", total)
+        server = FederationServer(fed, task, run, total)
+        previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None
+        resolved = {
+            **fed.to_record(),
+            "resolved-noise-multiplier": server.sigma,
+            "resolved-total-examples": total,
+            "noise": repr(server.noise),
+        }
+        if previous is not None and previous != resolved:
+            changed = sorted(k for k in resolved if previous.get(k) != resolved[k])
+            raise ValueError(
+                f"{run.path} was started with a different configuration ({changed}); resume it "
+                "with the same settings or start a new run"
+            )
+        run.write_json(CONFIG, resolved)
+        return cls(server, progress=progress, on_round=on_round)
+
     def summary(self) -> None:
+        """Log the run's mode, mechanism, noise, sampling, budget and run directory."""
         cfg = self.cfg
         log.info(
             "GEPStrategy: mode=%s mechanism=%s sigma=%.4f q=%g rounds=%d budget=(%g, %g) run=%s",
@@ -74,11 +205,98 @@ class GEPStrategy(Strategy):
             self.server.run.path,
         )
 
+    # -- the global model --------------------------------------------------------------
+
+    def global_arrays(self) -> ArrayRecord:
+        """The global model: the server's state dict as an ``ArrayRecord``."""
+        return _arrays(wire.encode_state(self.server.model.state_dict()))
+
+    def check_arrays(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        """``arrays`` as a state dict of the task's model, or ``ValueError`` naming every key
+        that is missing or unexpected, every shape or dtype that differs and every
+        non-finite value."""
+        reference = self.server.model.state_dict()
+        problems = [f"missing {name!r}" for name in reference if name not in arrays]
+        problems += [f"unexpected {name!r}" for name in arrays if name not in reference]
+        state = {}
+        for name, ref in reference.items():
+            if name not in arrays:
+                continue
+            array, dtype = arrays[name], str(ref.dtype).removeprefix("torch.")
+            if (array.dtype, tuple(array.shape)) != (dtype, tuple(ref.shape)):
+                problems.append(
+                    f"{name!r} is {array.dtype} {list(array.shape)}, the model's is "
+                    f"{dtype} {list(ref.shape)}"
+                )
+                continue
+            value = np.array(array.numpy())
+            if not np.isfinite(value).all():
+                problems.append(f"{name!r} holds NaN or inf")
+                continue
+            state[name] = torch.from_numpy(value)
+        if problems:
+            raise ValueError(
+                f"the arrays do not fit the model of task {self.cfg.task!r} (model "
+                f"{self.cfg.model!r}): " + "; ".join(problems)
+            )
+        return state
+
+    def restore(self, initial_arrays: ArrayRecord | None) -> int:
+        """Set the global model before the first round; returns the last completed round.
+
+        A new run starts from ``initial_arrays`` (None: the task's model, seeded by the run's
+        ``seed``) and records their fingerprint in the run directory. A run directory with a
+        checkpoint resumes from it, and only with the initial model it was started from.
+
+        Privacy: the guarantee covers what the sites release. The initial weights must not
+        depend on the sites' private data (random, or trained on public data only).
+
+        Raises:
+            ValueError: ``initial_arrays`` do not fit the task's model, or differ from those
+                the run directory was started from.
+        """
+        state = None if initial_arrays is None else self.check_arrays(initial_arrays)
+        fingerprint = None if state is None else _fingerprint(state)
+        done = self.server.resume()
+        run = self.server.run
+        if done == 0:
+            if state is not None:
+                self.server.model.load_state_dict(state)
+            run.write_json(INITIAL_MODEL, {INITIAL_SHA256: fingerprint})
+            return 0
+        started = None  # older run directories record none: they began with the task's model
+        if run.file(INITIAL_MODEL).exists():
+            started = run.read_json(INITIAL_MODEL)[INITIAL_SHA256]
+        if started != fingerprint:
+            raise ValueError(
+                f"{run.path} was started from {_describe(started)}, not from "
+                f"{_describe(fingerprint)}; resume it with the same initial_arrays or start "
+                "a new run"
+            )
+        log.info("resuming after round %d from %s", done, run.path)
+        return done
+
     # -- training ----------------------------------------------------------------------
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        """The round's messages to every node: the global model, the round config and, to a
+        node that does not hold it yet, the anchor basis.
+
+        ``arrays`` must be the server's global model (``global_arrays``), as ``start`` passes
+        it: the server steps that model with its own optimiser and checkpoints it, so other
+        weights cannot be sent. ``config`` must be empty (see ``start``)."""
+        _refuse_config("the train config", config, TRAIN_CONFIG_REFUSED)
+        current = wire.encode_state(self.server.model.state_dict())
+        same = arrays.keys() == current.keys() and all(
+            np.array_equal(arrays[name].numpy(), value) for name, value in current.items()
+        )
+        if not same:
+            raise ValueError(
+                "configure_train was given arrays that are not the server's global model; "
+                "start a run from other weights with start(initial_arrays=...)"
+            )
         plan = self.server.plan_round(server_round)
         nodes = sorted(grid.get_node_ids())
         self._round_info = {
@@ -144,6 +362,14 @@ class GEPStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate the replies and, with at least ``min_sites`` valid ones, step the global
+        model (central noise once on the sum, or the mean of the sites' noisy deltas) and
+        account the round.
+
+        Returns the new global model and data-free train metrics (``sites-ok``,
+        ``sites-rejected``, the largest ``site-epsilon-max`` the sites' ledgers reported), or
+        ``(None, None)`` when too few replies were valid: then the model is unchanged and
+        nothing is accounted."""
         accepted, rejected, site_metrics, seen = [], [], [], set()
         for msg in replies:
             try:
@@ -169,28 +395,50 @@ class GEPStrategy(Strategy):
                 self.cfg.min_sites,
             )
             return None, None
+        train_metrics = {"sites-ok": len(accepted), "sites-rejected": len(rejected)}
         if self.cfg.mode == "central":
             self.server.apply_central(server_round, accepted)
         else:
             self.server.apply_client(server_round, accepted)
             reported = [m["site-epsilon"] for m in site_metrics if "site-epsilon" in m]
             if reported:
-                info["site_epsilon_max"] = max(reported)
+                info["site_epsilon_max"] = train_metrics["site-epsilon-max"] = max(reported)
         unprotected = [m[k] for m in site_metrics for k in m if "OUTSIDE-PRIVACY" in k]
         if unprotected:
             info["site_train_loss_OUTSIDE_PRIVACY_GUARANTEE"] = unprotected
         info["applied"] = True
-        return None, MetricRecord({"sites-ok": len(accepted)})
+        return self.global_arrays(), MetricRecord(train_metrics)
 
     # -- no federated evaluation: a site's accuracy on its own data would be a release --
 
-    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No messages: GEP evaluates on the server only."""
+        _refuse_config("the evaluate config", config, EVALUATE_CONFIG_REFUSED)
         return []
 
-    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Nothing to aggregate (see ``configure_evaluate``)."""
         return None
 
     # -- the loop --------------------------------------------------------------------------
+
+    def round_record(self, server_round: int, began: float, site_epsilon: float | None) -> dict:
+        """The round's metrics: the task's metrics on the server's evaluation data, the
+        privacy spent so far, the seconds since ``began`` (``time.perf_counter``), and what
+        the round sent, received and rejected."""
+        evaluation = self.server.evaluate()
+        return {
+            "round": server_round,
+            **{f"test_{k}": v for k, v in evaluation.items()},
+            "epsilon": self.server.epsilon_spent(site_epsilon),
+            "delta": self.cfg.delta,
+            "round_seconds": time.perf_counter() - began,
+            **self._round_info,
+        }
 
     def start(
         self,
@@ -200,16 +448,51 @@ class GEPStrategy(Strategy):
         timeout: float | None = None,
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
-        evaluate_fn=None,
+        evaluate_fn: EvaluateFn | None = None,
     ) -> Result:
-        """Run (or resume) the federation for the configured number of rounds."""
+        """Run (or resume) the federation.
+
+        Args:
+            grid: the Grid to the nodes running ``gep_fed.flower.make_client_app``.
+            initial_arrays: the initial global model, with exactly the task model's keys,
+                shapes and dtypes (None: the task's model, seeded by the run's ``seed``).
+                They must not depend on the sites' private data. A resumed run continues
+                from its checkpoint, and only if these equal those it started from.
+            num_rounds: the last round (None: the config's ``rounds``). The run stops
+                earlier, before any round that would exceed the privacy budget.
+            timeout: seconds to wait for the sites' replies per round (None: the config's
+                ``round_timeout``).
+            train_config, evaluate_config: must be empty: the round config comes from the
+                ``FederationConfig`` alone, and there is no federated evaluation.
+            evaluate_fn: ``(round, arrays) -> MetricRecord | None``, called as Flower's
+                strategies call it: with the initial (or resumed) global model, then after
+                every round with the new one. Its metrics join the round's metrics (the run
+                directory's and ``Result.evaluate_metrics_serverapp``); a key GEP records
+                itself is refused. It sees only the global model, which post-processes the
+                sites' private releases (no further cost to their budgets); what it computes
+                from the server's own data is not covered by the guarantee.
+
+        Returns:
+            Flower's ``Result``: ``arrays`` the final global model, ``train_metrics_clientapp``
+            each applied round's train metrics (``aggregate_train``),
+            ``evaluate_metrics_serverapp`` each round's numeric metrics.
+
+        Raises:
+            ValueError: ``initial_arrays`` do not fit, a config is not empty, or
+                ``evaluate_fn`` returned a key GEP records itself.
+        """
+        _refuse_config("train_config", train_config, TRAIN_CONFIG_REFUSED)
+        _refuse_config("evaluate_config", evaluate_config, EVALUATE_CONFIG_REFUSED)
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.round_timeout
         self.summary()
-        first = self.server.resume() + 1
-        if first > 1:
-            log.info("resuming after round %d from %s", first - 1, self.server.run.path)
+        first = self.restore(initial_arrays) + 1
+        arrays = self.global_arrays()
         result = Result()
+        if evaluate_fn is not None:
+            extra = evaluate_fn(first - 1, arrays)
+            if extra is not None:
+                result.evaluate_metrics_serverapp[first - 1] = extra
         site_epsilon = None  # the largest epsilon the sites' own ledgers reported so far
         bar = tqdm(
             range(first, num_rounds + 1),
@@ -228,31 +511,21 @@ class GEPStrategy(Strategy):
                 break
             began = time.perf_counter()
             replies = grid.send_and_receive(
-                messages=self.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid),
-                timeout=timeout,
+                messages=self.configure_train(rnd, arrays, ConfigRecord(), grid), timeout=timeout
             )
-            self.aggregate_train(rnd, replies)
-            evaluation = self.server.evaluate()
-            if "site_epsilon_max" in self._round_info:
-                site_epsilon = self._round_info["site_epsilon_max"]
-            record = {
-                "round": rnd,
-                **{f"test_{k}": v for k, v in evaluation.items()},
-                "epsilon": self.server.epsilon_spent(site_epsilon),
-                "delta": self.cfg.delta,
-                "round_seconds": time.perf_counter() - began,
-                **self._round_info,
-            }
+            new_arrays, train_metrics = self.aggregate_train(rnd, replies)
+            if new_arrays is not None:
+                arrays = new_arrays
+            if train_metrics is not None:
+                result.train_metrics_clientapp[rnd] = train_metrics
+            site_epsilon = self._round_info.get("site_epsilon_max", site_epsilon)
+            record = self.round_record(rnd, began, site_epsilon)
+            extra = evaluate_fn(rnd, arrays) if evaluate_fn is not None else None
+            result.evaluate_metrics_serverapp[rnd] = _merge(record, extra)
             self.server.run.append_metrics(record)
-            result.evaluate_metrics_serverapp[rnd] = MetricRecord(
-                {
-                    k: v
-                    for k, v in record.items()
-                    if isinstance(v, int | float) and not isinstance(v, bool)
-                }
-            )
-            bar.set_postfix(acc=f"{evaluation['accuracy']:.3f}", eps=f"{record['epsilon']:.2f}")
+            bar.set_postfix(acc=f"{record['test_accuracy']:.3f}", eps=f"{record['epsilon']:.2f}")
             if self.on_round:
                 self.on_round(record)
         self.server.save_model()
+        result.arrays = arrays
         return result
