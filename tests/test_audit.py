@@ -85,7 +85,6 @@ def test_the_fitted_mu_covers_the_true_shift_at_its_confidence():
     assert fitted_mu_lower_bound(scores / 2 + 0.25 * included, included) > 1.2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])

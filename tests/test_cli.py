@@ -18,6 +18,7 @@ def gep_fed(*args, check=True):
     return proc
 
 
+@pytest.mark.slow
 def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path):
     proc = gep_fed("simulate", "--rounds", "2", "--run-dir", str(tmp_path))
     assert "test accuracy" in proc.stdout and "epsilon spent (each site)" in proc.stdout
@@ -42,6 +43,7 @@ def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path):
     assert (run_dir / "report.md").read_text() == report
 
 
+@pytest.mark.slow
 def test_calibrate_prints_sigma_and_refuses_impossible_targets():
     out = gep_fed("calibrate", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "1000").stdout
     assert "sigma =" in out
@@ -53,6 +55,7 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets():
     assert bad.returncode == 2 and "out of reach" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -75,6 +78,7 @@ def test_every_simulate_option_has_help_text():
     assert all(a.help and not a.help.startswith(" (default") for a in options)
 
 
+@pytest.mark.slow
 def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     """Only the sites' ledgers know Langevin's spend (it depends on each site's size): the
     summary, the metrics (hence the bar and epsilon.png) and the report show the largest."""

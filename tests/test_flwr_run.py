@@ -8,11 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.rundir import RunDirectory
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.slow  # `flwr run` on a simulation SuperLink
 
 
 def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):

@@ -258,6 +258,7 @@ def test_non_linear_models_are_refused_with_the_reason():
         LangevinTrainer(MnistCNN(), LangevinConfig())
 
 
+@pytest.mark.slow
 def test_langevin_runs_in_the_federation_in_client_mode(tmp_path):
     from gep_fed.accounting.ledger import PrivacyLedger
     from gep_fed.config import ConfigError, FederationConfig

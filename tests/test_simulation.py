@@ -24,6 +24,8 @@ from gep_fed.mechanisms.mechanism import GEP
 # Ray workers must unpickle the tampering client app defined here.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+pytestmark = pytest.mark.slow  # every test here runs a Flower simulation
+
 FAST = dict(num_basis=30, num_public=300, sample_rate=0.2, noise_seed=7, local_steps=2)
 
 

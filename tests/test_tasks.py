@@ -38,6 +38,7 @@ def test_built_in_names_and_import_paths_resolve():
     assert resolve_task("example_task:TwoFindingsTask").kind == "multilabel"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["central", "client"])
 def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch, mode):
     # Ray's workers import the task by its path, as a deployed site does
@@ -65,6 +66,7 @@ def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch, m
         assert ledger.steps == steps
 
 
+@pytest.mark.slow
 def test_cifar10_with_resnet20_gn_runs_in_both_modes_reduced(tmp_path):
     """The CIFAR-10 worked example (batches 1-2 private, batch 5 for the server,
     Tiny-ImageNet anchors, ResNet20-GN), reduced to one round per mode."""
@@ -91,6 +93,7 @@ def test_cifar10_with_resnet20_gn_runs_in_both_modes_reduced(tmp_path):
         assert 0 <= metrics["test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_scatter_linear_trains_on_digits_in_a_flower_simulation(tmp_path, monkeypatch):
     """ScatterNet features + linear head through the whole federation (the sites' Ray workers
     compute or read the cached features of the pooled data)."""
