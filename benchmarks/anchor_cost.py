@@ -18,7 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, mnist_data, save
 
-from gep_fed import GEPConfig, MnistCNN, NoiseSource, calibrate_noise_multiplier
+from gep_fed import GEPConfig, PrivacyContract, calibrate_noise_multiplier
+from gep_fed.data.models import MnistCNN
+from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_private
 
 SETTINGS = [(1, 2000), (5, 2000), (20, 2000), (1, 500), (5, 500), (20, 500)]
@@ -41,13 +43,10 @@ def main(argv=None) -> int:
     for refresh, anchors in SETTINGS:
         torch.manual_seed(0)
         cfg = GEPConfig(
-            noise_multiplier=sigma,
-            sample_rate=q,
+            PrivacyContract("gep", sigma, q, clip_embedding=0.25, clip_residual=0.05),
             num_basis=200,
             num_anchors=anchors,
             basis_refresh=refresh,
-            clip_embedding=0.25,
-            clip_residual=0.05,
         )
         began = time.perf_counter()
         res = train_private(

@@ -24,7 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, mnist_data, save, train_opacus
 
-from gep_fed import GEPConfig, MnistCNN, NoiseSource, calibrate_noise_multiplier
+from gep_fed import GEPConfig, PrivacyContract, calibrate_noise_multiplier
+from gep_fed.data.models import MnistCNN
+from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.training import (
     OptimizerConfig,
     evaluate,
@@ -105,14 +107,9 @@ def run_one(
     s1 = 1.0 if quantile is not None else clip[0]
     s2 = clip[1] if (quantile is None and clip[1] is not None) else 0.2
     config = GEPConfig(
-        mechanism=method,
-        noise_multiplier=sigma,
-        sample_rate=q,
+        PrivacyContract(method, sigma, q, clip_embedding=s1, clip_residual=s2, clip_norm=s1),
         num_basis=opts.get("k", K),
         power_iterations=opts.get("t", 1),
-        clip_embedding=s1,
-        clip_residual=s2,
-        clip_norm=s1,
         clip_quantile=quantile,
         basis_refresh=basis_refresh,
     )

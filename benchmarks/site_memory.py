@@ -56,10 +56,10 @@ def measure(folder: str, steps: int) -> dict:
     import torch
 
     from gep_fed.accounting.ledger import PrivacyLedger
-    from gep_fed.config import FederationConfig
     from gep_fed.data.formats import ImageFolderDataset, ImageTransform
     from gep_fed.data.models import MnistCNN
     from gep_fed.data.task import ArrayImageDataset, Task
+    from gep_fed.federation.config import FederationConfig
     from gep_fed.federation.policy import SitePolicy
     from gep_fed.federation.rundir import RunDirectory
     from gep_fed.federation.server import FederationServer

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, SHARED_DATA
 
-from gep_fed import GEPConfig, GEPStep, MnistCNN, NoiseSource, PoissonSampler
+from gep_fed import GEPConfig, GEPStep, PrivacyContract
 from gep_fed.accounting import epsilon_pld, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.data.datasets import (
@@ -72,8 +72,11 @@ from gep_fed.data.datasets import (
     load_mnist,
     to_tensor,
 )
+from gep_fed.data.models import MnistCNN
 from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_nonprivate
 
 DELTA = 1e-5
@@ -321,8 +324,8 @@ for _grid in GRIDS.values():
 def _cifar10(data_dir: Path) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     """(images, labels) of train, test and public data as the library's ``cifar10`` task reads
     them: CIFAR-10 binary batches 1-2, batch 5, and Tiny-ImageNet's 32x32 validation images."""
+    from gep_fed.data.builtin_tasks import Cifar10Task
     from gep_fed.data.task import TaskSettings
-    from gep_fed.data.tasks import Cifar10Task
 
     task = Cifar10Task(TaskSettings(data_dir=str(data_dir), model="resnet20"))
     try:
@@ -600,15 +603,17 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
         else:
             s1 = setting["clip"]
             config = GEPConfig(
-                mechanism=method,
-                noise_multiplier=sigma,
-                sample_rate=q_run,
+                PrivacyContract(
+                    method,
+                    sigma,
+                    q_run,
+                    clip_embedding=s1,
+                    clip_residual=s1 * setting.get("s2_ratio", 1.0),
+                    clip_norm=s1,
+                ),
                 num_basis=setting.get("k", 1),
                 num_anchors=setting.get("anchors"),
                 anchor_labels=args.anchor_labels,
-                clip_embedding=s1,
-                clip_residual=s1 * setting.get("s2_ratio", 1.0),
-                clip_norm=s1,
                 basis_refresh=setting.get("refresh", 1),
                 past_releases=setting.get("past", 0),
                 clip_quantile=setting.get("quantile"),

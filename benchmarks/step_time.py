@@ -34,19 +34,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from common import save
 
-from gep_fed import (
-    GEP,
-    GP,
-    AnchorSubspace,
-    GEPConfig,
-    MnistCNN,
-    NoiseSource,
-    ParameterLayout,
-    batchnorm_to_groupnorm,
-    compute_anchor_subspace,
-    per_example_gradients,
-    resnet20_gn,
-)
+from gep_fed import GEPConfig, PrivacyContract
+from gep_fed.data.models import MnistCNN, resnet20_gn
+from gep_fed.mechanisms.anchors import compute_anchor_subspace
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.mechanism import GEP, GP
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import batchnorm_to_groupnorm, per_example_gradients
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 
 def _basic_block_forward(self, x):
@@ -140,7 +135,12 @@ def make_steps(
     so that the anchor computation's own peak does not mask the step's).
     """
     model, layout, x, y, public, k = build(setup, device, num_anchors)
-    cfg = GEPConfig(num_basis=k, max_chunk=max_chunk, groups=SETUPS[setup][4])
+    cfg = GEPConfig(
+        PrivacyContract("gep", 1.0, 0.01),
+        num_basis=k,
+        max_chunk=max_chunk,
+        groups=SETUPS[setup][4],
+    )
     began = time.perf_counter()
     if anchors:
         subspace = compute_anchor_subspace(

@@ -22,8 +22,8 @@ import numpy as np
 from PIL import Image
 
 from gep_fed.data.partition import partition_indices
+from gep_fed.data.registry import BUILT_IN_TASKS
 from gep_fed.data.task import TaskSettings
-from gep_fed.data.tasks import BUILT_IN_TASKS
 
 CLASS_NAMES = {"pneumonia": ("normal", "pneumonia"), "medmnist": None}
 

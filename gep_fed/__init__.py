@@ -1,68 +1,50 @@
 """gep-fed: federated training with Gradient Embedding Perturbation differential privacy.
 
-The library layer: plain PyTorch, numpy and dp-accounting, no Flower. See ``GEPStep`` for the
-single-machine API and ``gep_fed.mechanisms.mechanism`` for the three separable calls (clipped sums,
-add noise, reconstruct) that the federated modes distribute.
+The names here are the public surface; each subpackage has its own for its concern:
+``gep_fed.mechanisms`` (GEP, B-GEP, GP, the anchor subspace, Langevin), ``gep_fed.accounting``
+(events, the ledger), ``gep_fed.data`` (tasks, data sets, models), ``gep_fed.federation``
+(the wire, a site's policy, the server's rounds) and ``gep_fed.flower`` (the Flower adapter).
+
+- One machine: ``private_step`` (a ``GEPStep`` and its sampler from a target epsilon), or
+  ``GEPStep`` with a ``GEPConfig`` holding a ``PrivacyContract``.
+- A federation: a ``FederationConfig`` (``FederationConfig.for_task``) and ``simulate``, or the
+  Flower apps of ``gep_fed.flower``; a hospital's own ``Task``.
 """
 
-from gep_fed.accounting.events import ImpossibleTargetError, PrivacyEvent, epsilon_pld, epsilon_rdp
+from gep_fed.accounting.events import ImpossibleTargetError
 from gep_fed.accounting.ledger import BudgetExceededError, LedgerError, PrivacyLedger
-from gep_fed.config import ConfigError, GEPConfig, PrivacyContract
-from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
-from gep_fed.mechanisms.anchors import AnchorResult, compute_anchor_subspace
-from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
-from gep_fed.mechanisms.mechanism import (
-    BGEP,
-    GEP,
-    GP,
-    ClippedSums,
-    Mechanism,
-    calibrate_noise_multiplier,
-)
-from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.per_example import (
-    IncompatibleModelError,
-    batchnorm_to_groupnorm,
-    per_example_gradients,
-    validate_model,
-)
-from gep_fed.mechanisms.sampling import PoissonSampler
-from gep_fed.mechanisms.step import GEPStep, write_gradient
-from gep_fed.mechanisms.subspace import AnchorSubspace, power_method_subspace
+from gep_fed.data.task import Task
+from gep_fed.federation.config import FederationConfig
+from gep_fed.mechanisms.contract import PrivacyContract
+from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier
+from gep_fed.mechanisms.per_example import IncompatibleModelError
+from gep_fed.mechanisms.step import GEPStep, private_step
+from gep_fed.mechanisms.step_config import GEPConfig
+from gep_fed.validation import ConfigError
 
 __all__ = [
-    "BGEP",
-    "GEP",
-    "GP",
-    "MLP",
-    "AnchorResult",
-    "AnchorSubspace",
     "BudgetExceededError",
-    "ClippedSums",
     "ConfigError",
+    "FederationConfig",
     "GEPConfig",
     "GEPStep",
     "ImpossibleTargetError",
     "IncompatibleModelError",
     "LedgerError",
-    "Mechanism",
-    "MnistCNN",
-    "NoiseSource",
-    "ParameterGroup",
-    "ParameterLayout",
-    "PoissonSampler",
     "PrivacyContract",
-    "PrivacyEvent",
     "PrivacyLedger",
-    "batchnorm_to_groupnorm",
+    "Task",
     "calibrate_noise_multiplier",
-    "compute_anchor_subspace",
-    "epsilon_pld",
-    "epsilon_rdp",
-    "per_example_gradients",
-    "power_method_subspace",
-    "resnet20_gn",
-    "validate_model",
-    "write_gradient",
+    "private_step",
+    "simulate",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``simulate`` needs Flower (and Ray); importing gep_fed alone does not.
+    if name == "simulate":
+        from gep_fed.flower.simulation import simulate
+
+        return simulate
+    raise AttributeError(f"module 'gep_fed' has no attribute {name!r}")

@@ -40,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed import GEPConfig, NoiseSource
+from gep_fed import GEPConfig, PrivacyContract
 from gep_fed.data.datasets import load_digits, sample_photo_patches, validation_split
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer, beta0_for_epsilon
 from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier
+from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.training import OptimizerConfig, train_nonprivate, train_private
 
 FEATURE_NORM = 1.0
@@ -109,13 +110,8 @@ def run(method: str, d: int, eps: float, knob, data: dict, seed: int = 0) -> tup
         q, steps = 64 / n, 300
         sigma = calibrate_noise_multiplier(eps, DELTA, q, steps, method)
         cfg = GEPConfig(
-            mechanism=method,
-            noise_multiplier=sigma,
-            sample_rate=q,
+            PrivacyContract(method, sigma, q, clip_embedding=G, clip_residual=G / 2, clip_norm=G),
             num_basis=64,
-            clip_norm=G,
-            clip_embedding=G,
-            clip_residual=G / 2,
             basis_refresh=10,
         )
         spent = train_private(

@@ -7,6 +7,7 @@ live here, in the tests, and nothing in configuration can reach them.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -31,7 +32,9 @@ def noise_halved():
     return _patched(
         Mechanism,
         "add_noise",
-        lambda self, sums, sigma, *rest: add_noise(self, sums, sigma / 2, *rest),
+        lambda self, *args: add_noise(
+            replace(self, noise_multiplier=self.noise_multiplier / 2), *args
+        ),
     )
 
 
@@ -41,7 +44,9 @@ def noise_quartered():
     return _patched(
         Mechanism,
         "add_noise",
-        lambda self, sums, sigma, *rest: add_noise(self, sums, sigma / 4, *rest),
+        lambda self, *args: add_noise(
+            replace(self, noise_multiplier=self.noise_multiplier / 4), *args
+        ),
     )
 
 
@@ -64,7 +69,7 @@ def residual_clipped_at_twice_s2():
         GEP,
         "clip",
         lambda self, grads, subspace: clip(
-            GEP(self.clip_embedding, 2 * self.clip_residual), grads, subspace
+            replace(self, clip_residual=2 * self.clip_residual), grads, subspace
         ),
     )
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gep_fed import AnchorSubspace, ParameterGroup, ParameterLayout
+from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
+from gep_fed.mechanisms.subspace import AnchorSubspace
 
 
 def flat_layout(*sizes: int) -> ParameterLayout:

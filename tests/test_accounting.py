@@ -3,20 +3,15 @@ import math
 import pytest
 
 from gep_fed import (
-    BGEP,
-    GEP,
-    GP,
     BudgetExceededError,
     ImpossibleTargetError,
     LedgerError,
-    PrivacyEvent,
     PrivacyLedger,
     calibrate_noise_multiplier,
-    epsilon_pld,
-    epsilon_rdp,
 )
+from gep_fed.accounting.events import PrivacyEvent, epsilon_pld, epsilon_rdp
 from gep_fed.accounting.ledger import create_ledger_key, default_key_path, read_ledger_key
-from gep_fed.mechanisms.mechanism import mechanism_class
+from gep_fed.mechanisms.mechanism import BGEP, GEP, GP, mechanism_class
 
 SETTINGS = [(0.01, 1.1, 1000), (0.032, 3.2, 940), (0.1, 0.8, 50)]
 

@@ -6,10 +6,12 @@ import math
 import pytest
 import torch
 
-from gep_fed import MLP, GEPConfig, GEPStep, NoiseSource
+from gep_fed import GEPConfig, GEPStep, PrivacyContract
 from gep_fed.accounting import epsilon_rdp
-from gep_fed.config import ConfigError
+from gep_fed.data.models import MLP
 from gep_fed.mechanisms.mechanism import GEP, GP, ClippedSums, calibrate_noise_multiplier
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.validation import ConfigError
 
 
 def test_the_count_is_accounted_as_one_more_gaussian_release():
@@ -35,14 +37,14 @@ def test_calibration_raises_sigma_so_the_count_stays_within_the_budget():
 
 
 def test_the_count_gets_gaussian_noise_of_its_own_std_and_is_never_released_without():
-    mech = GEP(1.0, 1.0, count_within_clip=True)
+    mech = GEP(1.0, 1.0, noise_multiplier=1.0, count_within_clip=True)
     sums = ClippedSums(torch.zeros(2), torch.zeros(3), within_clip=torch.tensor(7.0))
     noise = NoiseSource(0)
-    draws = torch.stack([mech.add_noise(sums, 1.0, noise, 30.0).within_clip for _ in range(4000)])
+    draws = torch.stack([mech.add_noise(sums, noise, 30.0).within_clip for _ in range(4000)])
     assert draws.mean().item() == pytest.approx(7.0, abs=3.0)
     assert draws.std().item() == pytest.approx(30.0, rel=0.05)
     with pytest.raises(ValueError, match="count of examples within the clip is private"):
-        mech.add_noise(sums, 1.0, noise)
+        mech.add_noise(sums, noise)
 
 
 def _problem(n=400, seed=0):
@@ -69,10 +71,9 @@ def test_s2_converges_to_the_target_quantile_of_the_private_residual_norms(quant
     torch.manual_seed(0)
     model = MLP(12, 3, hidden=(8,))
     config = GEPConfig(
+        # S2 far below every norm: the clip must grow by itself
+        PrivacyContract("gep", 1.0, 0.5, clip_residual=1e-3),
         num_basis=4,
-        noise_multiplier=1.0,
-        sample_rate=0.5,
-        clip_residual=1e-3,  # far below every norm: the clip must grow by itself
         residual_quantile=quantile,
         quantile_count_noise=2.0,
         basis_refresh=10_000,  # the model does not move: one subspace throughout
@@ -87,7 +88,7 @@ def test_s2_converges_to_the_target_quantile_of_the_private_residual_norms(quant
     )
     sampler = torch.Generator().manual_seed(3)
     for _ in range(300):
-        mask = torch.rand(len(x), generator=sampler) < config.sample_rate
+        mask = torch.rand(len(x), generator=sampler) < config.contract.sample_rate
         step(x[mask], y[mask])
     share_within = (_residual_norms(step, x, y) <= step.mechanism.clip_residual).float().mean()
     assert share_within.item() == pytest.approx(quantile, abs=0.08)
@@ -100,7 +101,7 @@ def test_s2_converges_to_the_target_quantile_of_the_private_residual_norms(quant
 def test_without_a_target_quantile_s2_stays_and_nothing_more_is_accounted():
     x, y, public = _problem()
     model = MLP(12, 3, hidden=(8,))
-    config = GEPConfig(num_basis=4, noise_multiplier=1.0, sample_rate=0.5, clip_residual=0.3)
+    config = GEPConfig(PrivacyContract("gep", 1.0, 0.5, clip_residual=0.3), num_basis=4)
     step = GEPStep(model, public, config, dataset_size=len(x), noise=NoiseSource(0))
     for _ in range(3):
         step(x[:200], y[:200])
@@ -108,11 +109,17 @@ def test_without_a_target_quantile_s2_stays_and_nothing_more_is_accounted():
     assert step.ledger.events[0].accounting_noise_multiplier == pytest.approx(1 / math.sqrt(2))
 
 
+GP_CONTRACT = PrivacyContract("gp", 1.0, 0.5)
+
+
 @pytest.mark.parametrize(
     "settings, problem",
     [
         ({"residual_quantile": 0.5}, "needs quantile_count_noise"),
-        ({"residual_quantile": 0.5, "quantile_count_noise": 5.0, "mechanism": "gp"}, "use mech"),
+        (
+            {"residual_quantile": 0.5, "quantile_count_noise": 5.0, "contract": GP_CONTRACT},
+            "use mech",
+        ),
         (
             {"residual_quantile": 0.5, "quantile_count_noise": 5.0, "clip_quantile": 0.5},
             "not both",
@@ -124,4 +131,4 @@ def test_without_a_target_quantile_s2_stays_and_nothing_more_is_accounted():
 )
 def test_a_bad_adaptive_clip_setting_is_refused_by_name(settings, problem):
     with pytest.raises(ConfigError, match=problem):
-        GEPConfig(**settings)
+        GEPConfig(**{"contract": PrivacyContract("gep", 1.0, 0.5), **settings})

@@ -8,16 +8,17 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
-from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import DataError, load_site_file
 from gep_fed.data.task import TaskSettings
-from gep_fed.data.tasks import DigitsTask
 from gep_fed.federation import wire
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.strategy import GEPStrategy
 from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.validation import ConfigError
 
 
 @pytest.fixture(scope="module")

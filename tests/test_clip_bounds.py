@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
-from gep_fed.config import ConfigError, PrivacyContract
 from gep_fed.mechanisms.clip_bounds import CLIP_BOUND_RANGE, clip_factors, gamma
+from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
 from gep_fed.mechanisms.mechanism import BGEP, GEP, GP
 from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.validation import ConfigError
 
 
 def one_group(p: int, basis: torch.Tensor) -> AnchorSubspace:
@@ -48,7 +49,7 @@ def test_no_gp_contribution_exceeds_its_clip_norm_anywhere_in_the_float_range(dt
             g = g / torch.linalg.vector_norm(g) * float(scale)
             if not torch.isfinite(g).all():
                 continue
-            _, res = contribution(GP(bound), g)
+            _, res = contribution(GP(bound, noise_multiplier=1.0), g)
             worst = max(worst, res / bound)
     assert worst <= 1.0, f"a contribution reached {worst} x S"
 
@@ -59,9 +60,9 @@ def test_gp_clip_factors_below_the_normal_range_are_flushed_to_zero():
     contributes nothing, like one with a non-finite gradient."""
     for n in (1.0e15, 1.3e15, 1.7e15, 2.9e15):
         g = torch.full((100,), n / 10)
-        _, res = contribution(GP(1e-30), g)
+        _, res = contribution(GP(1e-30, noise_multiplier=1.0), g)
         assert res <= 1e-30
-        factor = GP(1e-30).clip(g[None], None).residual_scale
+        factor = GP(1e-30, noise_multiplier=1.0).clip(g[None], None).residual_scale
         assert factor.item() == 0.0 or factor.item() >= torch.finfo(torch.float32).smallest_normal
 
 
@@ -85,13 +86,13 @@ def test_no_gep_contribution_exceeds_s1_or_s2_for_huge_or_tiny_gradients(mechani
             g = torch.randn(p, generator=generator)
             g = g / torch.linalg.vector_norm(g) * float(scale)
             if mechanism == "bgep":
-                emb, _ = contribution(BGEP(bound), g, subspace)
+                emb, _ = contribution(BGEP(bound, noise_multiplier=1.0), g, subspace)
                 worst = max(worst, emb / bound)
             elif mechanism == "gep-s1":
-                emb, _ = contribution(GEP(bound, 1e30), g, subspace)
+                emb, _ = contribution(GEP(bound, 1e30, noise_multiplier=1.0), g, subspace)
                 worst = max(worst, emb / bound)
             else:
-                _, res = contribution(GEP(1e30, bound), g, subspace)
+                _, res = contribution(GEP(1e30, bound, noise_multiplier=1.0), g, subspace)
                 worst = max(worst, res / bound)
     assert worst <= 1.0, f"a contribution reached {worst} x the bound"
 
@@ -111,7 +112,7 @@ def test_the_residual_bound_holds_for_equal_entry_basis_columns(p):
         for c in (1e-3, 1e-2, 1e-1):
             g = a * b[:, 0] + c * e0
             s2 = c / 2  # the true residual (about c) is clipped
-            _, res = contribution(GEP(1e6, s2), g, subspace)
+            _, res = contribution(GEP(1e6, s2, noise_multiplier=1.0), g, subspace)
             worst = max(worst, res / s2)
     assert worst <= 1.0, f"the residual reached {worst} x S2"
 
@@ -146,7 +147,7 @@ def test_gep_still_clips_the_residual_tightly_in_the_normal_range():
     exact = torch.linalg.vector_norm(
         g.double() - (g.double() @ basis.double()) @ basis.double().T, dim=1
     )
-    clipping = GEP(1.0, 0.01).clip(g, subspace)
+    clipping = GEP(1.0, 0.01, noise_multiplier=1.0).clip(g, subspace)
     ideal = 0.01 / exact
     assert (clipping.residual_scale.double() <= ideal).all()
     assert (clipping.residual_scale.double() >= 0.99 * ideal).all()
@@ -157,11 +158,11 @@ def test_clip_norms_outside_the_accepted_range_are_refused(value):
     low, high = CLIP_BOUND_RANGE
     assert not (low <= value <= high)
     with pytest.raises(ValueError, match="in \\[1e-30, 1e\\+30\\]"):
-        GP(value)
+        GP(value, noise_multiplier=1.0)
     with pytest.raises(ConfigError, match="clip_norm"):
         PrivacyContract("gp", 1.0, 0.1, clip_norm=value)
 
 
 def test_half_precision_gradients_are_refused_by_name():
     with pytest.raises(ValueError, match="float32 or float64"):
-        GP(1.0).clipped_sums(torch.ones(2, 3, dtype=torch.float16), None)
+        GP(1.0, noise_multiplier=1.0).clipped_sums(torch.ones(2, 3, dtype=torch.float16), None)

@@ -5,8 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from gep_fed.config import ConfigError, FederationConfig, GEPConfig
-from gep_fed.data.tasks import BUILT_IN_TASKS
+from gep_fed.data.registry import BUILT_IN_TASKS
+from gep_fed.federation.config import FederationConfig
+from gep_fed.mechanisms.contract import PrivacyContract
+from gep_fed.mechanisms.step_config import GEPConfig
+from gep_fed.validation import ConfigError
 
 ROOT = Path(__file__).parents[1]
 
@@ -79,12 +82,26 @@ def test_run_config_spellings_for_none_round_trip():
 @pytest.mark.parametrize(
     "settings, field",
     [
-        ({"mechanism": "dpsgd"}, "mechanism"),
         ({"num_basis": 0}, "num_basis"),
         ({"clip_quantile": 2.0}, "clip_quantile"),
-        ({"noise_multiplier": -1}, "noise_multiplier"),
+        ({"contract": PrivacyContract("langevin", 0.0, 0.1, langevin_beta0=1.0)}, "mechanism"),
     ],
 )
 def test_bad_step_settings_name_the_field(settings, field):
     with pytest.raises(ConfigError, match=field):
-        GEPConfig(**settings)
+        GEPConfig(**{"contract": PrivacyContract("gep", 1.0, 0.1), **settings})
+
+
+@pytest.mark.parametrize(
+    "contract, field",
+    [
+        ({"mechanism": "dpsgd"}, "mechanism"),
+        ({"noise_multiplier": -1}, "noise_multiplier"),
+        ({"sample_rate": 0.0}, "sample_rate"),
+        ({"clip_residual": 1e31}, "clip_residual"),
+    ],
+)
+def test_bad_contract_settings_name_the_field(contract, field):
+    with pytest.raises(ConfigError, match=field):
+        base = {"mechanism": "gep", "noise_multiplier": 1.0, "sample_rate": 0.1}
+        PrivacyContract(**{**base, **contract})

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import shared_file
 
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import (
     DataError,
     load_digits,
@@ -19,7 +20,6 @@ from gep_fed.data.datasets import (
 )
 from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import TaskSettings
-from gep_fed.data.tasks import DigitsTask
 
 
 def test_mnist_idx_files_load_with_the_documented_class_counts():

@@ -5,17 +5,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Subset
 
-from gep_fed import PoissonSampler, per_example_gradients
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
-from gep_fed.config import FederationConfig
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import TaskSettings, stack_examples
-from gep_fed.data.tasks import DigitsTask
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.federation.site import Site
 from gep_fed.federation.wire import RoundRefused
+from gep_fed.mechanisms.per_example import per_example_gradients
+from gep_fed.mechanisms.sampling import PoissonSampler
 
 # Sites of these tests trust the server (central mode) and accept noise-free rounds.
 TRUSTING = SitePolicy(None, 1e-5, accepted_modes=("client", "central"), allow_no_noise=True)

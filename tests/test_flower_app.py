@@ -18,7 +18,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
-from gep_fed.config import FederationConfig
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.flower import GEPStrategy
 
@@ -137,7 +137,7 @@ APP = {
 
         from gep_fed.data.metrics import predict
         from gep_fed.data.task import TaskSettings
-        from gep_fed.data.tasks import DigitsTask
+        from gep_fed.data.builtin_tasks import DigitsTask
 
 
         @cache
@@ -167,7 +167,7 @@ APP = {
         from flwr.app import ArrayRecord, Context
         from flwr.serverapp import Grid, ServerApp
 
-        from gep_fed.config import FederationConfig
+        from gep_fed.federation.config import FederationConfig
         from gep_fed.flower import GEPStrategy
         from gepapp.task import central_evaluate, initial_model
 

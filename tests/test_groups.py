@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from gep_fed import MLP, MnistCNN, ParameterLayout, resnet20_gn
+from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
+from gep_fed.mechanisms.groups import ParameterLayout
 
 
 def test_default_groups_are_input_layer_stages_and_output_layer():

@@ -17,11 +17,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 
 import gep_fed.flower.clientapp as client_app
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
-from gep_fed.config import FederationConfig
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import load_digits
 from gep_fed.data.task import ArrayImageDataset, TaskSettings, stack_examples
-from gep_fed.data.tasks import DigitsTask
 from gep_fed.federation import wire
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.mechanisms.noise import NoiseSource
@@ -307,11 +307,12 @@ def test_huge_clip_norms_only_buy_proportionally_more_noise(tmp_path, digits, ho
     assert_data_free(reply)
     delta = delta_of(reply)
     # each step's noise has std sigma * S / (q n) per coordinate, times the local lr
-    expected = server.sigma * 1e9 / (0.1 * 400) * server.cfg.local_lr
+    expected = server.contract.noise_multiplier * 1e9 / (0.1 * 400) * server.cfg.local_lr
     assert float(delta.std()) > 0.1 * expected
     events = site_ledger(hospital).events
     assert len(events) == 2
-    assert all(e.accounting_noise_multiplier == server.sigma / math.sqrt(2) for e in events)
+    sigma = server.contract.noise_multiplier
+    assert all(e.accounting_noise_multiplier == sigma / math.sqrt(2) for e in events)
 
 
 def test_a_basis_that_is_not_orthonormal_is_refused(tmp_path, digits, hospital):
@@ -405,8 +406,8 @@ def test_a_run_config_naming_another_task_is_refused_before_anything_is_imported
 
 
 def test_a_node_config_without_a_task_is_a_clear_error_at_the_site(tmp_path, digits, hospital):
-    from gep_fed.config import ConfigError
     from gep_fed.federation.policy import SiteConfig
+    from gep_fed.validation import ConfigError
 
     unpinned = {k: v for k, v in hospital.items() if k != "task"}
     with pytest.raises(ConfigError, match="node config needs 'task'"):

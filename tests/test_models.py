@@ -9,7 +9,6 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from gep_fed.config import GEPConfig
 from gep_fed.data import models
 from gep_fed.data.models import (
     MLP,
@@ -20,9 +19,11 @@ from gep_fed.data.models import (
     fine_tune,
     load_pretrained,
 )
+from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.per_example import per_example_gradients, validate_model
 from gep_fed.mechanisms.step import GEPStep
+from gep_fed.mechanisms.step_config import GEPConfig
 
 TORCHVISION = [
     "resnet18",
@@ -157,9 +158,7 @@ def test_fine_tune_head_errors():
 
 
 def _run_steps(model, steps: int, size: int = 16) -> GEPStep:
-    config = GEPConfig(
-        mechanism="gep", noise_multiplier=1.0, sample_rate=0.1, num_basis=8, max_chunk=4
-    )
+    config = GEPConfig(PrivacyContract("gep", 1.0, 0.1), num_basis=8, max_chunk=4)
     gen = torch.Generator().manual_seed(0)
     public = torch.randn(4, 3, size, size, generator=gen)
     step = GEPStep(model, public, config, dataset_size=30, generator=gen)

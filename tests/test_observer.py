@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gep_fed import MLP, GEPConfig, GEPStep, NoiseSource
+from gep_fed import GEPConfig, GEPStep, PrivacyContract
+from gep_fed.data.models import MLP
+from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import Observers, ReleaseObserver
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gep_fed"
@@ -39,7 +41,7 @@ class Rows(ReleaseObserver):
 def _step(observers=()):
     torch.manual_seed(0)
     model = MLP(4, 3, hidden=())
-    config = GEPConfig(mechanism="gp", noise_multiplier=1.0, sample_rate=0.5, clip_norm=1.0)
+    config = GEPConfig(PrivacyContract("gp", 1.0, 0.5, clip_norm=1.0))
     step = GEPStep(model, None, config, dataset_size=8, noise=NoiseSource(0), observers=observers)
     return model, step
 

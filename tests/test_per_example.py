@@ -3,13 +3,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gep_fed import (
-    IncompatibleModelError,
-    MnistCNN,
-    ParameterLayout,
+from gep_fed import IncompatibleModelError
+from gep_fed.data.models import MnistCNN, resnet20_gn
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.per_example import (
     batchnorm_to_groupnorm,
     per_example_gradients,
-    resnet20_gn,
     validate_model,
 )
 

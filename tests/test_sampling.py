@@ -1,6 +1,8 @@
 import torch
 
-from gep_fed import GEPConfig, GEPStep, MnistCNN, PoissonSampler
+from gep_fed import GEPConfig, GEPStep, PrivacyContract
+from gep_fed.data.models import MnistCNN
+from gep_fed.mechanisms.sampling import PoissonSampler
 
 
 def test_poisson_batch_sizes_have_binomial_mean_and_variance():
@@ -27,7 +29,7 @@ def test_empty_batches_occur_and_a_step_on_one_does_not_crash():
     sampler = PoissonSampler(10, 0.01, steps=50, generator=torch.Generator().manual_seed(2))
     assert any(len(b) == 0 for b in sampler)
     model = MnistCNN()
-    cfg = GEPConfig(num_basis=20, sample_rate=0.01, noise_multiplier=1.0)
+    cfg = GEPConfig(PrivacyContract("gep", 1.0, 0.01), num_basis=20)
     step = GEPStep(model, torch.randn(30, 1, 28, 28), cfg, dataset_size=10)
     step(torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.long))
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
@@ -36,7 +38,7 @@ def test_empty_batches_occur_and_a_step_on_one_does_not_crash():
 
 def test_projection_error_diagnostics_on_anchors_and_on_a_private_batch():
     model = MnistCNN()
-    cfg = GEPConfig(num_basis=40, sample_rate=0.1)
+    cfg = GEPConfig(PrivacyContract("gep", 1.0, 0.1), num_basis=40)
     public = torch.randn(60, 1, 28, 28)
     step = GEPStep(model, public, cfg, dataset_size=100)
     result = step.refresh_subspace(measure=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gep_fed import GEPConfig, GEPStep, NoiseSource, ParameterLayout, per_example_gradients
+from gep_fed import GEPConfig, GEPStep, PrivacyContract
 from gep_fed.data import scatternet
 from gep_fed.data.scatternet import (
     PublicStandardize,
@@ -20,6 +20,9 @@ from gep_fed.data.scatternet import (
     scatter_linear,
     scattering_channels,
 )
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.mechanisms.per_example import per_example_gradients
 
 pytest.importorskip("kymatio", reason="needs kymatio (a gep-fed dependency): pip install -e .")
 
@@ -139,9 +142,7 @@ def test_one_gep_step_on_scatter_features():
     private = scatter_features(grey_images(16))
     public = scatter_features(grey_images(12, seed=5))
     model = scatter_linear(10)
-    config = GEPConfig(
-        mechanism="gep", noise_multiplier=1.0, sample_rate=0.5, num_basis=8, max_chunk=5
-    )
+    config = GEPConfig(PrivacyContract("gep", 1.0, 0.5), num_basis=8, max_chunk=5)
     step = GEPStep(
         model,
         public,

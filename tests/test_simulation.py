@@ -16,8 +16,8 @@ from dp_accounting import rdp
 
 from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
-from gep_fed.config import FederationConfig
 from gep_fed.federation import wire
+from gep_fed.federation.config import FederationConfig
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.mechanism import GEP
 

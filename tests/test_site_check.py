@@ -68,7 +68,7 @@ def test_the_check_finds_a_task_named_by_import_path_in_the_app_folder(tmp_path,
     app = tmp_path / "app"
     (app / "hospital_tasks").mkdir(parents=True)
     (app / "hospital_tasks" / "__init__.py").write_text(
-        "from gep_fed.data.tasks import DigitsTask as Digits\n"
+        "from gep_fed.data.builtin_tasks import DigitsTask as Digits\n"
     )
     config = {**site(tmp_path / "s"), "task": "hospital_tasks:Digits"}
     monkeypatch.chdir(tmp_path)

@@ -5,16 +5,18 @@ import torch
 from torch.utils.data import Dataset
 
 from gep_fed.accounting.ledger import PrivacyLedger
-from gep_fed.config import FederationConfig, GEPConfig
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.task import TaskSettings, stack_examples
-from gep_fed.data.tasks import DigitsTask
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.federation.site import Site
 from gep_fed.mechanisms import GEP
+from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep
+from gep_fed.mechanisms.step_config import GEPConfig
 
 
 class CountingDataset(Dataset):
@@ -72,7 +74,7 @@ def test_streamed_batches_release_the_same_sums_as_one_batch():
     """Clipping is per example and sums add up: the chunking of a sample changes nothing."""
     task = DigitsTask(TaskSettings(num_public=200))
     x, y = stack_examples(task.train_dataset(), range(50))
-    config = GEPConfig(mechanism="gep", noise_multiplier=0.0, sample_rate=0.1, num_basis=16)
+    config = GEPConfig(PrivacyContract("gep", 0.0, 0.1), num_basis=16)
     sums = []
     for chunk in (50, 7):
         torch.manual_seed(0)

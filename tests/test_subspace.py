@@ -1,6 +1,6 @@
 import torch
 
-from gep_fed import power_method_subspace
+from gep_fed.mechanisms.subspace import power_method_subspace
 from helpers import flat_layout, random_subspace
 
 
@@ -61,7 +61,7 @@ def test_extending_by_directions_keeps_the_basis_orthonormal_and_contains_them()
 def test_a_step_spans_its_latest_releases_at_no_privacy_cost():
     """With past_releases = 2, each step's subspace holds the two previous released
     estimates (the gradients the optimiser saw), and the ledger is the same as without."""
-    from gep_fed import GEPConfig, GEPStep
+    from gep_fed import GEPConfig, GEPStep, PrivacyContract
     from gep_fed.data.models import MLP
 
     gen = torch.Generator().manual_seed(0)
@@ -72,7 +72,10 @@ def test_a_step_spans_its_latest_releases_at_no_privacy_cost():
         torch.manual_seed(0)
         model = MLP(20, 3, hidden=(16,))
         config = GEPConfig(
-            num_basis=8, noise_multiplier=1.0, sample_rate=0.5, past_releases=past, basis_refresh=1
+            PrivacyContract("gep", 1.0, 0.5),
+            num_basis=8,
+            past_releases=past,
+            basis_refresh=1,
         )
         step = GEPStep(model, public, config, dataset_size=64, generator=gen)
         released = []

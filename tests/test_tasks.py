@@ -10,11 +10,13 @@ import torch
 from conftest import SHARED_DATA, shared_file
 
 from gep_fed.accounting.ledger import PrivacyLedger
-from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import DataError
-from gep_fed.data.task import TaskSettings, resolve_task
-from gep_fed.data.tasks import DigitsTask
+from gep_fed.data.registry import resolve_task
+from gep_fed.data.task import TaskSettings
+from gep_fed.federation.config import FederationConfig
 from gep_fed.flower.simulation import simulate
+from gep_fed.validation import ConfigError
 
 TESTS = Path(__file__).parent
 
@@ -23,8 +25,8 @@ TESTS = Path(__file__).parent
     "name, problem",
     [
         ("no_such_module:Task", "cannot import"),
-        ("example_task:NoSuchClass", "is not a gep_fed Task"),
-        ("example_task:FindingsDataset", "is not a gep_fed Task"),
+        ("example_task:NoSuchClass", "has no class 'NoSuchClass'"),
+        ("example_task:FindingsDataset", "is not a subclass of gep_fed's Task"),
         ("imagenet", "neither a built-in task"),
     ],
 )

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from gep_fed import ParameterLayout, PrivacyContract
+from gep_fed import PrivacyContract
 from gep_fed.data.models import MLP
 from gep_fed.federation import wire
 from gep_fed.federation.wire import WireError, as_wire_array
+from gep_fed.mechanisms.groups import ParameterLayout
 
 
 def arrays(**values):
@@ -132,7 +133,7 @@ def test_float16_basis_is_used_exactly_as_received():
     bases = tuple(
         torch.linalg.qr(torch.randn(g.size, k)).Q for g, k in zip(layout.groups, dims, strict=True)
     )
-    from gep_fed import AnchorSubspace
+    from gep_fed.mechanisms.subspace import AnchorSubspace
 
     encoded = wire.encode_basis(AnchorSubspace(layout, bases), "float16")
     assert all(a.dtype == np.float16 for a in encoded.values())

@@ -19,6 +19,8 @@ import dp_accounting
 import numpy as np
 from dp_accounting import pld, rdp
 
+from gep_fed.validation import DELTA
+
 # dp-accounting logs a warning for each fractional RDP order whose series does not converge
 # and then excludes that order: the result is still a valid bound, so the noise is dropped.
 logging.getLogger("absl").addFilter(lambda record: "failed to converge" not in record.getMessage())
@@ -181,8 +183,7 @@ def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
 
 
 def _check_delta(delta: float) -> None:
-    if not (0 < delta < 1):
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    DELTA.check("delta", delta)
 
 
 def calibrate(

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from gep_fed.accounting.events import PrivacyEvent, epsilon_pld, epsilon_rdp
 from gep_fed.files import write_bytes_atomically
+from gep_fed.validation import DELTA
 
 FORMAT = "gep-fed-ledger/1"
 MARK_FORMAT = "gep-fed-ledger-mark/1"
@@ -73,8 +74,7 @@ class PrivacyLedger:
         key: bytes | None = None,
         mark_path: str | Path | None = None,
     ) -> None:
-        if not (0 < delta < 1):
-            raise ValueError(f"ledger delta must be in (0, 1), got {delta}")
+        DELTA.check("ledger delta", delta)
         if budget_epsilon is not None and not (budget_epsilon > 0):
             raise ValueError(f"budget_epsilon must be > 0, got {budget_epsilon}")
         self.delta = float(delta)

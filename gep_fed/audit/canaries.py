@@ -120,7 +120,8 @@ class GradientCanaries(ReleaseObserver):
         test of inclusion under Poisson sampling.
         """
         sums, noise_multiplier = release.sums, release.noise_multiplier
-        std_e, std_r = self.mechanism.noise_stds(noise_multiplier)
+        clip_e, clip_r = _clip_norms(self.mechanism)  # the noise std is sigma x the clip norm
+        std_e, std_r = noise_multiplier * clip_e, noise_multiplier * clip_r
         z = torch.zeros(self.count, dtype=torch.float64)
         if sums.embedding is not None and self._embedding is not None:
             z += (self._embedding.double() @ sums.embedding.double().cpu()) / std_e

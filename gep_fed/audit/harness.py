@@ -15,10 +15,10 @@ from torch.utils.data import Subset
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.audit.bounds import METHOD, claimed_gdp_mu, gdp_epsilon
 from gep_fed.audit.canaries import CANARY_KINDS, GradientCanaries
-from gep_fed.config import FederationConfig
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.models import MLP
 from gep_fed.data.task import TaskSettings, stack_examples
-from gep_fed.data.tasks import DigitsTask
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
@@ -157,7 +157,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         run_dir=run_dir or tempfile.mkdtemp(prefix="gep-fed-audit-"),
         run_name="federation",
     )
-    contract = fed.contract(sigma)
+    contract = fed.contract
     torch.manual_seed(s.seed)
     model = task.build_model()
     size = sum(p.numel() for p in model.parameters())
@@ -170,7 +170,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         step = GEPStep(
             model,
             stack_examples(task.public_dataset())[0],
-            replace(fed.anchor_config(contract), basis_refresh=10**6),
+            replace(fed.anchor_config, basis_refresh=10**6),
             dataset_size=s.examples,
             noise=NoiseSource(s.seed + 1),
             generator=torch.Generator().manual_seed(s.seed),
@@ -241,7 +241,9 @@ def _audit_langevin(s: AuditSetup, x: torch.Tensor, y: torch.Tensor) -> AuditRes
     )
     size = sum(p.numel() for p in model.parameters())
     seeded = torch.Generator().manual_seed(s.seed)
-    canaries = GradientCanaries(s.canaries, size, GP(1.0), generator=seeded)
+    # the canaries read the clip norm; Langevin's noise is its own
+    clip_only = GP(1.0, noise_multiplier=0.0)
+    canaries = GradientCanaries(s.canaries, size, clip_only, generator=seeded)
     trainer = LangevinTrainer(
         model,
         config,

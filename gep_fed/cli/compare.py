@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from gep_fed.config import FederationConfig
 from gep_fed.data.metrics import predict
 from gep_fed.data.task import stack_examples
-from gep_fed.federation.server import noise_multiplier_for
+from gep_fed.federation.config import FederationConfig
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.training import OptimizerConfig, train_private
@@ -67,7 +66,6 @@ def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
     task = fed.make_task()
     torch.manual_seed(fed.seed)
     model = task.build_model()
-    sigma = noise_multiplier_for(fed)
     x, y = stack_examples(task.train_dataset())
     test = stack_examples(task.eval_dataset())
     gen = torch.Generator().manual_seed(fed.seed)
@@ -77,7 +75,7 @@ def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
         x,
         y,
         stack_examples(task.public_dataset())[0],
-        replace(fed.anchor_config(fed.contract(sigma)), basis_refresh=fed.basis_refresh),
+        replace(fed.anchor_config, basis_refresh=fed.basis_refresh),
         fed.rounds,
         OptimizerConfig(lr=fed.server_lr, momentum=fed.server_momentum),
         delta=fed.delta,

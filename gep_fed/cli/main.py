@@ -20,8 +20,9 @@ from gep_fed.accounting.ledger import (
     default_mark_path,
     read_ledger_key,
 )
-from gep_fed.config import ConfigError, FederationConfig
+from gep_fed.federation.config import FederationConfig
 from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
+from gep_fed.validation import ConfigError
 
 
 def _field_type(f) -> type:
@@ -58,7 +59,7 @@ def federation_config(args: argparse.Namespace) -> FederationConfig:
             value = None if value == "auto" else _float(value, "--noise-multiplier")
         values[f.name] = value
     fed = FederationConfig.for_task(**values)
-    from gep_fed.data.task import resolve_task
+    from gep_fed.data.registry import resolve_task
 
     applied = {
         k: v for k, v in resolve_task(fed.task).recommended_settings.items() if k not in values

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.transforms.v2 import functional as TF
 
 from gep_fed.data.datasets import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, DataError, read_idx
 
@@ -110,6 +109,8 @@ class ImageTransform:
         if self.channels == 1 and x.shape[0] == 3:
             x = torch.tensordot(torch.tensor(_LUMA), x, dims=1).unsqueeze(0)
         if self.size is not None and tuple(x.shape[1:]) != self.size:
+            from torchvision.transforms.v2 import functional as TF  # 1.6 s: only to resize
+
             x = TF.resize(x, list(self.size), antialias=True)
         if self.channels == 3 and x.shape[0] == 1:
             x = x.expand(3, -1, -1)

@@ -7,8 +7,8 @@ writes one in its own ``task.py`` and names it in the run config::
 
     task = "my_hospital.task:ChestXray"
 
-The built-in tasks (``gep_fed.data.tasks``) are examples of the same interface. See
-``docs/tasks.md`` for a worked example.
+The built-in tasks (``gep_fed.data.builtin_tasks``, named in ``gep_fed.data.registry``) are
+examples of the same interface. See ``docs/tasks.md`` for a worked example.
 
 Datasets are ``torch.utils.data.Dataset`` objects returning ``(x, y)``: ``x`` a float tensor
 ``(C, H, W)`` (or any shape the model takes), ``y`` an int64 class index or, for multi-label
@@ -19,7 +19,6 @@ has it, gives the labels without decoding (a simulation partitions by them).
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -119,28 +118,6 @@ class Task(ABC):
         """Metrics of the server's evaluation, from all its logits and targets (accuracy,
         balanced accuracy, loss, AUROC where defined; scikit-learn's implementations)."""
         return evaluate_predictions(logits, targets, self.kind)
-
-
-def resolve_task(name: str) -> type[Task]:
-    """A built-in task's name, or ``"package.module:ClassName"`` of the user's own task."""
-    from gep_fed.data.tasks import BUILT_IN_TASKS
-
-    if name in BUILT_IN_TASKS:
-        return BUILT_IN_TASKS[name]
-    module_name, sep, class_name = name.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(
-            f"task {name!r} is neither a built-in task ({sorted(BUILT_IN_TASKS)}) nor an "
-            "import path 'package.module:ClassName'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"task {name!r}: cannot import {module_name!r}: {err}") from err
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise ValueError(f"task {name!r}: {module_name}.{class_name} is not a gep_fed Task")
-    return cls
 
 
 class ArrayImageDataset(Dataset):

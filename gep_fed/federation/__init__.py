@@ -1,2 +1,23 @@
-"""The federation without Flower: the wire format, a site's policy and trainer, the server's
-rounds, aggregation and accounting, and the run directory."""
+"""The federation without Flower: the run's configuration, the wire format, a site's policy,
+trainer and self-check, the server's rounds, aggregation and accounting, the run directory."""
+
+from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.policy import SiteConfig, SitePolicy
+from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.server import FederationServer
+from gep_fed.federation.site import Site
+from gep_fed.federation.site_check import check_site
+from gep_fed.federation.wire import RoundConfig, RoundRefused, WireError
+
+__all__ = [
+    "FederationConfig",
+    "FederationServer",
+    "RoundConfig",
+    "RoundRefused",
+    "RunDirectory",
+    "Site",
+    "SiteConfig",
+    "SitePolicy",
+    "WireError",
+    "check_site",
+]

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gep_fed.accounting.ledger import default_key_path
-from gep_fed.config import MODES, ConfigError
-from gep_fed.data.task import Task, TaskSettings, resolve_task
+from gep_fed.data.registry import resolve_task
+from gep_fed.data.task import Task, TaskSettings
+from gep_fed.federation.config import MODES
 from gep_fed.federation.wire import RoundConfig, RoundRefused
+from gep_fed.validation import DELTA, ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 SIMULATED_SITE_ENV = "GEP_FED_SIMULATED_SITE"
@@ -100,8 +102,7 @@ class SitePolicy:
                 "allow-no-noise accepts rounds with infinite epsilon, so a budget cannot be "
                 "enforced: drop epsilon-budget (tests only) or allow-no-noise"
             )
-        if not (0 < self.delta < 1):
-            raise ConfigError(f"delta must be in (0, 1), got {self.delta}")
+        DELTA.check("delta", self.delta)
         bad = [m for m in self.accepted_modes if m not in MODES]
         if bad or not self.accepted_modes:
             raise ConfigError(f"accept-modes must name modes from {list(MODES)}, got {bad}")

@@ -19,9 +19,9 @@ import torch
 
 from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
-from gep_fed.config import FederationConfig
 from gep_fed.data.metrics import predict
 from gep_fed.data.task import Task, stack_examples
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import CHECKPOINT, MODEL, RunDirectory
 from gep_fed.federation.site import resolve_device
 from gep_fed.federation.wire import (
@@ -37,7 +37,7 @@ from gep_fed.federation.wire import (
 from gep_fed.mechanisms.anchors import compute_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import check_linear
-from gep_fed.mechanisms.mechanism import ClippedSums, calibrate_noise_multiplier
+from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.step import write_gradient
@@ -54,15 +54,6 @@ class RoundPlan:
     basis: dict | None
     anchor_seconds: float
     anchor_projection_error: float | None
-
-
-def noise_multiplier_for(cfg: FederationConfig) -> float:
-    """The configured sigma, or the smallest one that spends ``target_epsilon`` over the run."""
-    if cfg.noise_multiplier is not None:
-        return cfg.noise_multiplier
-    return calibrate_noise_multiplier(
-        cfg.target_epsilon, cfg.delta, cfg.sample_rate, cfg.steps_per_party, cfg.mechanism
-    )
 
 
 def _public_sample(
@@ -111,18 +102,18 @@ class FederationServer:
         self.total_examples = total_examples
         # Langevin sites add their own noise from beta0 and account per step themselves.
         self.langevin = cfg.mechanism == "langevin"
-        self.sigma = 0.0 if self.langevin else noise_multiplier_for(cfg)
-        # One contract: sent to every site and the source of the server's own mechanism.
-        self.contract = cfg.contract(self.sigma)
+        # One contract, sigma resolved once: sent to every site and the source of the
+        # server's own mechanism.
+        self.contract = cfg.contract
         self.mechanism = self.contract.build_mechanism()
-        self.gep = None if self.langevin else cfg.anchor_config(self.contract)
+        self.gep = None if self.langevin else cfg.anchor_config
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
         self.public = _public_sample(task, cfg.num_public, self.generator)
         self.eval_data = task.eval_dataset()
         self.noise = NoiseSource(cfg.noise_seed)
         owner = "federation" if cfg.mode == "central" else "each-site (expected)"
         # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
-        budget = cfg.target_epsilon if self.sigma > 0 else None
+        budget = cfg.target_epsilon if self.contract.noise_multiplier > 0 else None
         self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, budget, owner, create=True)
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=cfg.server_lr, momentum=cfg.server_momentum
@@ -243,9 +234,11 @@ class FederationServer:
             *(None if t is None else t.to(self.device) for t in (total.embedding, total.residual))
         )
         self.ledger.check_budget(self.round_events(round_))
-        noisy = self.mechanism.add_noise(total, self.sigma, self.noise)
+        noisy = self.mechanism.add_noise(total, self.noise)
         self.observers.notify(
-            NoisyRelease(noisy, self.sigma, self.contract.sample_rate, self.mechanism)
+            NoisyRelease(
+                noisy, self.contract.noise_multiplier, self.contract.sample_rate, self.mechanism
+            )
         )
         estimate = self.mechanism.reconstruct(
             noisy, self.subspace, self.contract.sample_rate * self.total_examples

@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
-from gep_fed.config import ConfigError, GEPConfig
 from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
 from gep_fed.federation.policy import SiteConfig, SitePolicy
@@ -40,7 +39,9 @@ from gep_fed.mechanisms.observer import Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import LossFn, validate_model
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep, clipped_sums_of_batches
+from gep_fed.mechanisms.step_config import GEPConfig
 from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.validation import ConfigError
 
 
 def resolve_device(preference: str = "auto") -> torch.device:
@@ -231,7 +232,7 @@ class Site:
         step = GEPStep(
             self.model,
             None,
-            GEPConfig.from_contract(rc.privacy, max_chunk=self.max_chunk),
+            GEPConfig(rc.privacy, max_chunk=self.max_chunk),
             dataset_size=self.num_examples,
             loss_fn=self.loss_fn,
             noise=self.noise,

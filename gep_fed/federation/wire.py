@@ -19,10 +19,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gep_fed.config import MODES, ConfigError, PrivacyContract
+from gep_fed.federation.config import BASIS_DTYPES, LEARNING_RATE, MODES
+from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.validation import AT_LEAST_ONE, MOMENTUM, ConfigError
 
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
 # 3: no model spec in the round config (the run's task builds the model at both ends).
@@ -37,7 +39,6 @@ MODEL_DELTA = "model-delta"  # site -> server (client-side): noisy delta per par
 REPLY_META = "reply-meta"  # site -> server: protocol, round, mode
 REPLY_METRICS = "metrics"  # site -> server: counts of bytes, steps, epsilon (data-free)
 
-BASIS_DTYPES = ("float32", "float16")
 # Largest array a reply may declare, in elements; anything bigger is rejected unread.
 MAX_ELEMENTS = 200_000_000
 # A received basis further than this from orthonormal (max_g ||B_g^T B_g - I||_F) is refused.
@@ -185,12 +186,13 @@ class RoundConfig:
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise WireError(sender, name, f"must be {kind.__name__}, got {value!r}")
         cfg = cls(privacy=privacy, **{k: values[k] for k in plain})
+        # the same declared ranges as the run's configuration (FederationConfig)
         checks = {
-            "round": cfg.round >= 1,
+            "round": AT_LEAST_ONE.contains(cfg.round),
             "mode": cfg.mode in MODES,
-            "local_steps": cfg.local_steps >= 1,
-            "local_lr": math.isfinite(cfg.local_lr) and cfg.local_lr >= 0,
-            "local_momentum": 0 <= cfg.local_momentum < 1,
+            "local_steps": AT_LEAST_ONE.contains(cfg.local_steps),
+            "local_lr": LEARNING_RATE.contains(cfg.local_lr),
+            "local_momentum": MOMENTUM.contains(cfg.local_momentum),
             "basis_id": cfg.basis_id >= -1,
             "basis_dtype": cfg.basis_dtype in BASIS_DTYPES,
         }

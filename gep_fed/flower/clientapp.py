@@ -34,12 +34,13 @@ from gep_fed.accounting.ledger import (
     default_mark_path,
     read_ledger_key,
 )
-from gep_fed.config import ConfigError, FederationConfig
 from gep_fed.federation import wire
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.federation.site import Site, resolve_device, site_dataset
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.validation import ConfigError
 
 log = logging.getLogger("gep_fed.federation.site")
 

@@ -7,7 +7,7 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from gep_fed.config import FederationConfig
+from gep_fed.federation.config import FederationConfig
 from gep_fed.flower.strategy import GEPStrategy
 
 log = logging.getLogger("gep_fed.server")

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gep_fed.config import FederationConfig
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
 
 

@@ -31,8 +31,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from tqdm.auto import tqdm
 
 from gep_fed.accounting.ledger import BudgetExceededError
-from gep_fed.config import FederationConfig
 from gep_fed.federation import wire
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import CONFIG, RunDirectory
 from gep_fed.federation.server import FederationServer
 
@@ -177,7 +177,7 @@ class GEPStrategy(Strategy):
         previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None
         resolved = {
             **fed.to_record(),
-            "resolved-noise-multiplier": server.sigma,
+            "resolved-noise-multiplier": server.contract.noise_multiplier,
             "resolved-total-examples": total,
             "noise": repr(server.noise),
         }
@@ -197,7 +197,7 @@ class GEPStrategy(Strategy):
             "GEPStrategy: mode=%s mechanism=%s sigma=%.4f q=%g rounds=%d budget=(%g, %g) run=%s",
             cfg.mode,
             cfg.mechanism,
-            self.server.sigma,
+            self.server.contract.noise_multiplier,
             cfg.sample_rate,
             cfg.rounds,
             cfg.target_epsilon,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gep_fed.config import GEPConfig
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.per_example import LossFn, per_example_gradients
+from gep_fed.mechanisms.step_config import GEPConfig
 from gep_fed.mechanisms.subspace import AnchorSubspace, power_method_subspace
 
 

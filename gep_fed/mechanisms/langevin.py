@@ -311,7 +311,7 @@ class LangevinTrainer:
         self.noise = noise if noise is not None else NoiseSource()
         self.generator = generator
         self.party = party
-        self._clip = GP(config.grad_bound)
+        self._clip = GP(config.grad_bound, noise_multiplier=0.0)  # clips; Langevin adds its noise
         self.observers = Observers(observers)
 
     def _mean_clipped_gradient(self, x, y, divide_by: float, sample_rate: float = 1.0):

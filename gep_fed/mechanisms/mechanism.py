@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -89,13 +89,22 @@ class PerExampleClipping:
 class Mechanism(ABC):
     """A private gradient estimator: clip per example, sum, add noise, reconstruct.
 
-    ``releases`` (how many clipped vectors one step releases) decides the accounting; every
-    ``PrivacyEvent`` of a mechanism is built by its ``event`` from it.
+    An instance knows its clip norms and its noise multiplier sigma (build it from a
+    ``PrivacyContract``: ``contract.build_mechanism()``), so ``add_noise`` takes neither
+    from outside. ``releases`` (how many clipped vectors one step releases) decides the
+    accounting; every ``PrivacyEvent`` of a mechanism class is built by ``event`` from it.
     """
 
     name: ClassVar[str]
     uses_subspace: ClassVar[bool]
     releases: ClassVar[int]
+    noise_multiplier: float
+
+    def _check_noise(self) -> None:
+        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(
+                f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}"
+            )
 
     @abstractmethod
     def clip(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> PerExampleClipping:
@@ -108,8 +117,8 @@ class Mechanism(ABC):
         """Sum the clipped contributions described by ``clipping``."""
 
     @abstractmethod
-    def noise_stds(self, noise_multiplier: float) -> tuple[float | None, float | None]:
-        """Standard deviations of the noise on (embedding, residual)."""
+    def noise_stds(self) -> tuple[float | None, float | None]:
+        """Standard deviations of the noise on (embedding, residual): sigma times each clip."""
 
     @classmethod
     def accounting_noise_multiplier(
@@ -141,9 +150,11 @@ class Mechanism(ABC):
         round: int | None = None,
         placement: str = "local",
     ) -> PrivacyEvent:
-        """``steps`` releases of this mechanism at noise multiplier sigma on Poisson samples
-        of rate q, as the accountant composes them (with ``count_noise``: each step also
-        releases a noised count of examples within the residual clip)."""
+        """``steps`` releases of this mechanism class at noise multiplier sigma on Poisson
+        samples of rate q, as the accountant composes them (with ``count_noise``: each step
+        also releases a noised count of examples within the residual clip). A run's events
+        come from its contract (``PrivacyContract.events``); calibration asks this for any
+        candidate sigma."""
         return PrivacyEvent(
             cls.name,
             noise_multiplier,
@@ -175,19 +186,13 @@ class Mechanism(ABC):
             return self.sums(grads, subspace, clipping)
 
     def add_noise(
-        self,
-        sums: ClippedSums,
-        noise_multiplier: float,
-        noise: NoiseSource,
-        count_noise: float | None = None,
+        self, sums: ClippedSums, noise: NoiseSource, count_noise: float | None = None
     ) -> ClippedSums:
-        """Add ``N(0, (noise_multiplier * S)^2)`` per coordinate to each released sum, and
+        """Add ``N(0, (sigma * S)^2)`` per coordinate to each released sum, and
         ``N(0, count_noise^2)`` to the count of examples within the clip when there is one."""
         if sums.noised:
             raise ValueError("these sums are already noised")
-        if noise_multiplier < 0 or not math.isfinite(noise_multiplier):
-            raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier}")
-        std_e, std_r = self.noise_stds(noise_multiplier)
+        std_e, std_r = self.noise_stds()
         emb, res, count = sums.embedding, sums.residual, sums.within_clip
         if emb is not None:
             emb = emb + noise.gaussian(emb, std_e)
@@ -247,6 +252,7 @@ class GEP(Mechanism):
         clip_residual: S2, the bound on each example's residual norm; the residual noise has
             standard deviation ``sigma * S2``. Accounted as one Gaussian mechanism with noise
             multiplier ``sigma / sqrt(2)``.
+        noise_multiplier: sigma (keyword; 0 adds no noise and gives no privacy).
         count_within_clip: also sum how many examples had their residual within S2 (for an
             adaptive S2: ``GEPConfig.residual_quantile``); that count is a third release,
             noised and accounted with its own ``count_noise``.
@@ -254,6 +260,7 @@ class GEP(Mechanism):
 
     clip_embedding: float
     clip_residual: float
+    noise_multiplier: float = field(kw_only=True)
     count_within_clip: bool = False
     name: ClassVar[str] = "gep"
     uses_subspace: ClassVar[bool] = True
@@ -262,9 +269,11 @@ class GEP(Mechanism):
     def __post_init__(self) -> None:
         _check_bound("clip_embedding (S1)", self.clip_embedding)
         _check_bound("clip_residual (S2)", self.clip_residual)
+        self._check_noise()
 
-    def noise_stds(self, noise_multiplier):
-        return noise_multiplier * self.clip_embedding, noise_multiplier * self.clip_residual
+    def noise_stds(self):
+        sigma = self.noise_multiplier
+        return sigma * self.clip_embedding, sigma * self.clip_residual
 
     def clip(self, grads, subspace):
         dtype, u = grads.dtype, unit_roundoff(grads.dtype)
@@ -314,18 +323,21 @@ class BGEP(Mechanism):
     Args:
         clip_embedding: S1, the bound on each embedding's norm; noise ``sigma * S1``,
             accounted with noise multiplier ``sigma``. The residual is never computed.
+        noise_multiplier: sigma (keyword; 0 adds no noise and gives no privacy).
     """
 
     clip_embedding: float
+    noise_multiplier: float = field(kw_only=True)
     name: ClassVar[str] = "bgep"
     uses_subspace: ClassVar[bool] = True
     releases: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         _check_bound("clip_embedding (S1)", self.clip_embedding)
+        self._check_noise()
 
-    def noise_stds(self, noise_multiplier):
-        return noise_multiplier * self.clip_embedding, None
+    def noise_stds(self):
+        return self.noise_multiplier * self.clip_embedding, None
 
     def clip(self, grads, subspace):
         emb = subspace.embed(grads)
@@ -346,20 +358,23 @@ class GP(Mechanism):
     """Gradient perturbation (DP-SGD, Abadi et al. 2016): clip each gradient, add noise.
 
     Args:
-        clip: S, the bound on each example's gradient norm; noise ``sigma * S``, accounted
-            with noise multiplier ``sigma``.
+        clip_norm: S, the bound on each example's gradient norm; noise ``sigma * S``,
+            accounted with noise multiplier ``sigma``.
+        noise_multiplier: sigma (keyword; 0 adds no noise and gives no privacy).
     """
 
     clip_norm: float
+    noise_multiplier: float = field(kw_only=True)
     name: ClassVar[str] = "gp"
     uses_subspace: ClassVar[bool] = False
     releases: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         _check_bound("clip_norm (S)", self.clip_norm)
+        self._check_noise()
 
-    def noise_stds(self, noise_multiplier):
-        return None, noise_multiplier * self.clip_norm
+    def noise_stds(self):
+        return None, self.noise_multiplier * self.clip_norm
 
     def clip(self, grads, subspace):
         norms = row_norms(grads)

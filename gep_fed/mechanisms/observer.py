@@ -39,7 +39,7 @@ class NoisyRelease:
 
     Attributes:
         sums: the noisy sums (the release itself).
-        noise_multiplier: sigma; ``mechanism.noise_stds(noise_multiplier)`` is the noise std
+        noise_multiplier: sigma; ``mechanism.noise_stds()`` is the noise std
             of each component.
         sample_rate: q, the Poisson rate at which each example (and each added row) joined
             the sample.

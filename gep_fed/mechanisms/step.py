@@ -1,7 +1,8 @@
 """``GEPStep``: a private gradient step in the shape of a PyTorch training loop.
 
-    step = GEPStep(model, public_inputs, config, dataset_size=len(train))
-    for idx in PoissonSampler(len(train), config.sample_rate):
+    step, sampler = private_step(model, public_inputs, target_epsilon=2.0, delta=1e-5,
+                                 sample_rate=q, steps=900, dataset_size=len(train))
+    for idx in sampler:           # Poisson samples, as the accounting assumes
         optimizer.zero_grad()
         step(x[idx], y[idx])      # fills every parameter's .grad with the private estimate
         optimizer.step()
@@ -16,19 +17,27 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gep_fed.accounting.ledger import PrivacyLedger
-from gep_fed.config import GEPConfig
 from gep_fed.mechanisms.anchors import AnchorResult, compute_anchor_subspace
+from gep_fed.mechanisms.contract import (
+    DEFAULT_CLIP_EMBEDDING,
+    DEFAULT_CLIP_NORM,
+    DEFAULT_CLIP_RESIDUAL,
+    PrivacyContract,
+)
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import LossFn, per_example_gradients, validate_model
+from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.mechanisms.step_config import GEPConfig
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -106,7 +115,7 @@ class GEPStep:
 
     @property
     def expected_batch_size(self) -> float:
-        return self.config.sample_rate * self.dataset_size
+        return self.config.contract.sample_rate * self.dataset_size
 
     def set_subspace(self, subspace: AnchorSubspace) -> None:
         """Use ``subspace`` (e.g. received from a server) until the next call of this method."""
@@ -159,7 +168,7 @@ class GEPStep:
     def clipped_sums(self, batches: Iterable[Batch]) -> ClippedSums:
         """Per-example gradients of a private sample, clipped and summed batch by batch
         (not yet private)."""
-        extra = self.observers.rows(self.subspace, self.config.sample_rate)
+        extra = self.observers.rows(self.subspace, self.config.contract.sample_rate)
         return clipped_sums_of_batches(
             self.model,
             self.loss_fn,
@@ -189,15 +198,12 @@ class GEPStep:
         budget raises ``BudgetExceededError`` before anything is computed, and a step that
         fails after recording is over-counted, never under-counted.
         """
-        config = self.config
-        event = self.mechanism.event(
-            config.noise_multiplier,
-            config.sample_rate,
-            count_noise=self.count_noise,
-            party=self.party,
-            round=self.round,
+        contract = self.config.contract
+        self.ledger.record(
+            *contract.events(
+                1, count_noise=self.config.count_noise, party=self.party, round=self.round
+            )
         )
-        self.ledger.record(event)
         refreshed = None
         needs_basis = self.mechanism.uses_subspace and not self._external_subspace
         if needs_basis and (
@@ -207,11 +213,9 @@ class GEPStep:
         if needs_basis and self._released:
             self.subspace = self._anchor_subspace.with_directions(list(self._released))
         sums = self.clipped_sums(batches)
-        noisy = self.mechanism.add_noise(
-            sums, self.config.noise_multiplier, self.noise, self.count_noise
-        )
+        noisy = self.mechanism.add_noise(sums, self.noise, self.config.count_noise)
         self.observers.notify(
-            NoisyRelease(noisy, config.noise_multiplier, config.sample_rate, self.mechanism)
+            NoisyRelease(noisy, contract.noise_multiplier, contract.sample_rate, self.mechanism)
         )
         estimate = self.mechanism.reconstruct(noisy, self.subspace, self.expected_batch_size)
         write_gradient(self.model, self.layout, estimate)
@@ -223,12 +227,6 @@ class GEPStep:
             self._adapt_residual_clip(float(noisy.within_clip))
         return report
 
-    @property
-    def count_noise(self) -> float | None:
-        """Std of the noise on the count of examples within S2 (adaptive S2), else None."""
-        config = self.config
-        return config.quantile_count_noise if config.residual_quantile is not None else None
-
     def _adapt_residual_clip(self, noisy_count: float) -> None:
         """Andrew et al.'s geometric update of S2 from the noised count (post-processing)."""
         share = noisy_count / self.expected_batch_size
@@ -236,6 +234,72 @@ class GEPStep:
         self.mechanism = replace(
             self.mechanism, clip_residual=self.mechanism.clip_residual * factor
         )
+
+
+class PrivateStep(NamedTuple):
+    """A step calibrated to a budget, with the sampler whose batches the accounting assumes."""
+
+    step: GEPStep
+    sampler: PoissonSampler
+
+
+def private_step(
+    model: nn.Module,
+    public_inputs: torch.Tensor | None,
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    dataset_size: int,
+    mechanism: str = "gep",
+    clip_embedding: float = DEFAULT_CLIP_EMBEDDING,
+    clip_residual: float = DEFAULT_CLIP_RESIDUAL,
+    clip_norm: float = DEFAULT_CLIP_NORM,
+    loss_fn: LossFn = F.cross_entropy,
+    generator: torch.Generator | None = None,
+    **step_settings,
+) -> PrivateStep:
+    """A private step from a target epsilon in one call (as Opacus's make_private_with_epsilon).
+
+    The contract is built once: sigma is the smallest that keeps ``steps`` releases of
+    ``mechanism`` on Poisson samples of rate ``sample_rate`` within ``(target_epsilon,
+    delta)`` (RDP, ``dp-accounting``). The step's ledger enforces that budget, so a step
+    beyond the plan raises ``BudgetExceededError`` before it computes anything. The sampler
+    draws ``steps`` Poisson samples of ``range(dataset_size)``, the batches the accounting
+    assumes, seeded by the operating system (amplification by sampling needs a sample the
+    adversary cannot predict).
+
+    Args:
+        clip_embedding, clip_residual, clip_norm: S1, S2 (GEP, B-GEP) and S (GP): each
+            example's bound; the noise is sigma times each.
+        step_settings: ``GEPConfig``'s privacy-free knobs (``num_basis``, ``max_chunk``, ...)
+            and, for an adaptive S2, ``residual_quantile`` with ``quantile_count_noise``
+            (the count it releases is accounted: sigma grows to keep the budget).
+        generator: the step's public randomness (anchor subset, random labels, power method).
+    """
+    adaptive = step_settings.get("residual_quantile") is not None
+    contract = PrivacyContract.for_budget(
+        mechanism,
+        target_epsilon,
+        delta,
+        sample_rate,
+        steps,
+        count_noise=step_settings.get("quantile_count_noise") if adaptive else None,
+        clip_embedding=clip_embedding,
+        clip_residual=clip_residual,
+        clip_norm=clip_norm,
+    )
+    step = GEPStep(
+        model,
+        public_inputs,
+        GEPConfig(contract, **step_settings),
+        dataset_size=dataset_size,
+        loss_fn=loss_fn,
+        ledger=PrivacyLedger(delta, budget_epsilon=target_epsilon),
+        generator=generator,
+    )
+    return PrivateStep(step, PoissonSampler(dataset_size, sample_rate, steps))
 
 
 def clipped_sums_of_batches(

@@ -14,10 +14,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from gep_fed.accounting.ledger import PrivacyLedger
-from gep_fed.config import GEPConfig
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep
+from gep_fed.mechanisms.step_config import GEPConfig
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,9 @@ def train_private(
         generator=generator,
     )
     opt, sched = optimizer.make(model, steps)
-    sampler = PoissonSampler(len(x), config.sample_rate, steps, generator=generator)
+    sampler = PoissonSampler(len(x), config.contract.sample_rate, steps, generator=generator)
     history = []
-    for i, idx in enumerate(tqdm(sampler, disable=not progress, desc=config.mechanism)):
+    for i, idx in enumerate(tqdm(sampler, disable=not progress, desc=config.contract.mechanism)):
         opt.zero_grad(set_to_none=True)
         step(x[idx], y[idx])
         opt.step()

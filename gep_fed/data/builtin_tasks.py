@@ -36,14 +36,6 @@ import numpy as np
 from torch import nn
 from torch.utils.data import Dataset
 
-from gep_fed.config import (
-    DEFAULT_BASIS_REFRESH,
-    DEFAULT_CLIP_EMBEDDING,
-    DEFAULT_CLIP_NORM,
-    DEFAULT_CLIP_RESIDUAL,
-    DEFAULT_NUM_ANCHORS,
-    DEFAULT_NUM_BASIS,
-)
 from gep_fed.data.datasets import (
     MNIST_MEAN,
     MNIST_STD,
@@ -60,6 +52,14 @@ from gep_fed.data.datasets import (
 from gep_fed.data.formats import Cifar10Dataset, ImageDataset, ImageTransform, NpzDataset
 from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
 from gep_fed.data.task import ArrayImageDataset, FeatureDataset, Task, TaskSettings
+from gep_fed.mechanisms.contract import (
+    DEFAULT_BASIS_REFRESH,
+    DEFAULT_CLIP_EMBEDDING,
+    DEFAULT_CLIP_NORM,
+    DEFAULT_CLIP_RESIDUAL,
+    DEFAULT_NUM_ANCHORS,
+    DEFAULT_NUM_BASIS,
+)
 
 SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
 ARCHITECTURES = ("auto", "cnn", "mlp", "linear", *SCATTER_MODELS)
@@ -347,13 +347,3 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
     x = torch.from_numpy(images).float().unsqueeze(1)
     out = torch.nn.functional.interpolate(x, size=(size, size), mode="area")
     return out.squeeze(1).round().clamp(0, 255).to(torch.uint8).numpy()
-
-
-BUILT_IN_TASKS: dict[str, type[Task]] = {
-    "digits": DigitsTask,
-    "mnist": MnistTask,
-    "fashion-mnist": FashionMnistTask,
-    "pneumonia": MedMnistTask,
-    "medmnist": MedMnistTask,
-    "cifar10": Cifar10Task,
-}

@@ -1,0 +1,366 @@
+"""``FederationConfig``: a federated run (data and sites, privacy, subspace, optimisation,
+operation), and the one resolution of its settings on every path.
+
+``gep-fed simulate`` and ``compare``, the ServerApp under ``flwr run`` and the library all
+build a run's configuration through ``FederationConfig.for_task`` (``from_record`` for a
+Flower run config): the field defaults, under the task's recommended settings, under the
+values given. The run's privacy contract is resolved from it once (``contract``: sigma as
+given, or calibrated to spend the budget over the run).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+
+from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
+from gep_fed.data.task import Task, TaskSettings
+from gep_fed.mechanisms.contract import FEDERATED_MECHANISMS, PrivacyContract
+from gep_fed.mechanisms.step_config import ANCHOR_LABELS, GEPConfig
+from gep_fed.validation import (
+    AT_LEAST_ONE,
+    DELTA,
+    MOMENTUM,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    ConfigError,
+    Range,
+    check_choice,
+    check_flag,
+)
+
+MODES = ("central", "client")
+BASIS_DTYPES = ("float32", "float16")
+LEARNING_RATE = POSITIVE
+
+def _opt(default, help_text: str):
+    """A dataclass field with its ``--help`` text (what the CLI shows)."""
+    return field(default=default, metadata={"help": help_text})
+
+
+PARTITIONS = ("iid", "dirichlet")
+# A run config's value that means "not given" (see FederationConfig.from_record).
+RUN_CONFIG_DEFAULT = "default"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """A federated run: data and sites, privacy, subspace, optimisation, operation.
+
+    In a Flower run config the keys are written in kebab-case (``target-epsilon``);
+    ``noise-multiplier = "auto"`` and ``num-anchors = 0`` mean None.
+
+    Privacy fields:
+        mode: "client" (default; each site adds its own noise and keeps its own ledger, the
+            server is not trusted) or "central" (sites send unnoised clipped sums to a
+            trusted server, which adds the noise once per round).
+        mechanism: "gep", "bgep" or "gp".
+        target_epsilon, delta: the budget. The server stops before a round that would exceed
+            it; sigma is calibrated to spend exactly it over all rounds when
+            ``noise_multiplier`` is None. Each site enforces its own budget too.
+        sample_rate: q, every site's Poisson rate; central mode accounts the union of the
+            sites' data at this rate and normalises by ``q * total_examples``.
+        total_examples: N, the declared size of the union of the sites' data (central mode);
+            None lets a simulation use its partitions' sizes. Never a count sent by a site.
+        clip_embedding, clip_residual, clip_norm: S1, S2 (GEP, B-GEP) and S (GP).
+        noise_seed: fixes the server's noise, and in ``simulate`` the simulated sites' (tests
+            and benchmarks only: a known seed voids privacy). A deployed site's noise is
+            always seeded by its OS; no run config can set it.
+        run_dir, run_name: outputs go to ``run_dir/run_name`` (``run_dir/run-<flower run id>``
+            when ``run_name`` is empty); an existing one with a checkpoint is resumed.
+        release_site_metrics: let *simulated* sites report their raw training loss
+            (labelled in every output as outside the guarantee). Off by default. A deployed
+            site decides this itself (node config ``release-metrics``).
+
+    Every field's help text is in its metadata (what ``gep-fed simulate --help`` shows).
+    """
+
+    task: str = _opt(
+        "digits",
+        "the task: digits (bundled, offline), mnist, fashion-mnist, pneumonia, medmnist, "
+        "cifar10, or your own as 'package.module:ClassName' (see docs/tasks.md); a task may "
+        "recommend its own defaults, which options given here override",
+    )
+    model: str = _opt(
+        "auto",
+        "architecture, as the task understands it (built-in tasks: auto = mlp for digits, "
+        "scatter-linear for fashion-mnist and cifar10, cnn otherwise; cnn, mlp, linear, "
+        "scatter-linear, scatter-cnn; cifar10: scatter-linear, resnet20, cnn)",
+    )
+    data_dir: str = _opt("../shared/data", "folder with mnist/, kmnist/, medmnist/")
+    medmnist_path: str = _opt("", "a MedMNIST <flag>.npz for task medmnist")
+    num_sites: int = _opt(3, "number of sites (simulated SuperNodes)")
+    partition: str = _opt("iid", "how the pooled data is split across sites: iid or dirichlet")
+    dirichlet_alpha: float = _opt(0.5, "label skew for --partition dirichlet (smaller: more skew)")
+    num_public: int = _opt(2000, "public anchor examples the server holds (labels never used)")
+    mode: str = _opt(
+        "client",
+        "client: each site noises its own updates and keeps its own ledger (untrusted "
+        "server); central: sites send unnoised clipped sums, the trusted server adds the noise",
+    )
+    mechanism: str = _opt(
+        "gep",
+        "gep (unbiased, two releases per step), bgep, gp (DP-SGD), or langevin (noisy SGD "
+        "with a Gaussian prior; client mode, --model linear)",
+    )
+    target_epsilon: float = _opt(
+        8.0,
+        "privacy budget epsilon: the run stops before exceeding it and, unless "
+        "--noise-multiplier is given, sigma is calibrated to spend it over all rounds",
+    )
+    delta: float = _opt(1e-5, "delta of the (epsilon, delta) guarantee")
+    noise_multiplier: float | None = _opt(
+        None,
+        "sigma: noise std / clip norm ('auto': calibrated from the budget; 0: no noise, "
+        "no privacy)",
+    )
+    sample_rate: float = _opt(
+        0.1,
+        "q: each private example's chance to be in a step's "
+        "Poisson sample (smaller amplifies privacy)",
+    )
+    total_examples: int | None = _opt(
+        None,
+        "N, the declared size of the union of the sites' data (central-mode "
+        "normalisation q*N); default: the simulation's pooled size",
+    )
+    clip_embedding: float = _opt(1.0, "S1: bound on each example's embedding norm (noise sigma*S1)")
+    clip_residual: float = _opt(1.0, "S2: bound on each example's residual norm (noise sigma*S2)")
+    clip_norm: float = _opt(1.0, "S: bound on each example's gradient norm (gp; G for langevin)")
+    langevin_beta0: float = _opt(
+        1.0,
+        "langevin prior variance beta0: scales noise and step sizes together (training, not "
+        "privacy: multi-pass epsilon depends on steps, batch, n and delta only)",
+    )
+    num_basis: int = _opt(64, "k: anchor-subspace dimension (public; no privacy cost)")
+    num_anchors: int | None = _opt(None, "m: anchors used per subspace (default: all public data)")
+    power_iterations: int = _opt(1, "t: power-method passes per subspace")
+    anchor_labels: str = _opt(
+        "random",
+        "labels of the public anchors: random (fresh at every subspace, the default) or true "
+        "(the public data's own labels)",
+    )
+    basis_refresh: int = _opt(1, "recompute and resend the basis every R rounds")
+    basis_dtype: str = _opt("float32", "basis on the wire: float32 or float16 (half the bytes)")
+    rounds: int = _opt(10, "federated rounds")
+    local_steps: int = _opt(10, "private steps per site per round (client mode), each accounted")
+    local_lr: float = _opt(1.0, "site learning rate (client mode)")
+    local_momentum: float = _opt(0.0, "site SGD momentum (client mode)")
+    server_lr: float = _opt(
+        1.0, "server step size on the private gradient (central) or on the mean delta (client)"
+    )
+    server_momentum: float = _opt(0.0, "server SGD momentum")
+    min_sites: int = _opt(1, "fewest valid replies for a round to update the model")
+    round_timeout: float = _opt(600.0, "seconds to wait for the sites' replies in a round")
+    seed: int = _opt(0, "public randomness: partitions, anchors, initial model (never noise)")
+    noise_seed: int | None = _opt(
+        None, "fix the noise (tests and benchmarks only: a known seed voids the guarantee)"
+    )
+    run_dir: str = _opt("runs", "where run directories are created")
+    run_name: str = _opt("", "run directory name (an existing one is resumed)")
+    device: str = _opt("auto", "auto (cuda when available), cpu or cuda")
+    release_site_metrics: bool = _opt(
+        False,
+        "let simulated sites report raw training loss, labelled as OUTSIDE the privacy "
+        "guarantee (a deployed site decides this in its own node config)",
+    )
+    max_chunk: int = _opt(128, "examples differentiated at once (memory bound)")
+
+    def __post_init__(self) -> None:
+        try:
+            resolve_task(self.task)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a name, got {self.model!r}")
+        check_choice("mode", self.mode, MODES)
+        check_choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
+        check_choice("partition", self.partition, PARTITIONS)
+        check_choice("basis_dtype", self.basis_dtype, BASIS_DTYPES)
+        check_choice("anchor_labels", self.anchor_labels, ANCHOR_LABELS)
+        check_choice("device", self.device, DEVICES)
+        for name in (
+            "num_sites",
+            "num_public",
+            "num_basis",
+            "power_iterations",
+            "basis_refresh",
+            "rounds",
+            "local_steps",
+            "min_sites",
+            "max_chunk",
+        ):
+            AT_LEAST_ONE.check(name, getattr(self, name))
+        Range(0, integer=True).check("seed", self.seed)
+        for name in ("num_anchors", "total_examples"):
+            if getattr(self, name) is not None:
+                AT_LEAST_ONE.check(name, getattr(self, name))
+        if self.noise_seed is not None:
+            Range(0, integer=True).check("noise_seed", self.noise_seed)
+        POSITIVE.check("target_epsilon", self.target_epsilon)
+        DELTA.check("delta", self.delta)
+        PROBABILITY.check("sample_rate", self.sample_rate)
+        if self.noise_multiplier is not None:  # 0 switches the noise off (no privacy)
+            NON_NEGATIVE.check("noise_multiplier", self.noise_multiplier)
+        for name in ("dirichlet_alpha", "round_timeout"):
+            POSITIVE.check(name, getattr(self, name))
+        for name in ("local_lr", "server_lr"):
+            LEARNING_RATE.check(name, getattr(self, name))
+        for name in ("local_momentum", "server_momentum"):
+            MOMENTUM.check(name, getattr(self, name))
+        # The clip norms' own range is the contract's, checked where it is built; a
+        # contract of the run's clips at sigma 0 checks them now.
+        PrivacyContract(
+            self.mechanism, 0.0, self.sample_rate, self.clip_embedding, self.clip_residual,
+            self.clip_norm, self.langevin_beta0 if self.mechanism == "langevin" else 0.0,
+        )
+        # ScatterNet + linear is linear in its parameters (a fixed transform, then GroupNorm
+        # without parameters); a user task checks its own model
+        linear = self.model in ("linear", "scatter-linear") or self.task not in BUILT_IN_TASKS
+        if self.mechanism == "langevin" and (self.mode != "client" or not linear):
+            raise ConfigError(
+                "mechanism langevin runs in client mode on a linear model only (its guarantee "
+                "needs a convex loss): use --mode client --model linear (or scatter-linear)"
+            )
+        if self.min_sites > self.num_sites:
+            raise ConfigError(
+                f"min_sites ({self.min_sites}) cannot exceed num_sites ({self.num_sites})"
+            )
+        check_flag("release_site_metrics", self.release_site_metrics)
+
+    @classmethod
+    def for_task(cls, task: str | None = None, **settings) -> FederationConfig:
+        """The one resolution of a run's settings, on every path (``gep-fed simulate`` and
+        ``compare``, the ServerApp under ``flwr run``, the library): the field defaults, under
+        ``task``'s ``recommended_settings`` (e.g. what won its validation sweep), under
+        ``settings`` (snake_case fields). ``task`` None is the default task."""
+        task = cls.__dataclass_fields__["task"].default if task is None else task
+        try:
+            recommended = dict(resolve_task(task).recommended_settings)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(recommended) - known)
+        if unknown:
+            raise ConfigError(
+                f"task {task!r} recommends unknown setting(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(task=task, **{**recommended, **settings})
+
+    def make_task(self) -> Task:
+        """The run's task, built from its public settings."""
+        settings = TaskSettings(
+            data_dir=self.data_dir,
+            model=self.model,
+            num_public=self.num_public,
+            seed=self.seed,
+            options={"medmnist-path": self.medmnist_path} if self.medmnist_path else {},
+        )
+        try:
+            return resolve_task(self.task)(settings)
+        except ValueError as err:
+            raise ConfigError(f"task {self.task!r}: {err}") from None
+
+    @property
+    def steps_per_party(self) -> int:
+        """Accounted releases over the whole run: per round one (central) or
+        ``local_steps`` per site (client)."""
+        return self.rounds * (1 if self.mode == "central" else self.local_steps)
+
+    def run_directory(self, run_id: int | str) -> str:
+        return str(Path(self.run_dir) / (self.run_name or f"run-{run_id}"))
+
+    @cached_property
+    def contract(self) -> PrivacyContract:
+        """The run's privacy contract, sigma resolved once: as given, or the smallest that
+        spends ``target_epsilon`` over ``steps_per_party`` releases; 0 for Langevin, whose
+        noise comes from its prior variance and whose events from its schedule."""
+        clips = {
+            "clip_embedding": self.clip_embedding,
+            "clip_residual": self.clip_residual,
+            "clip_norm": self.clip_norm,
+        }
+        if self.mechanism == "langevin":
+            return PrivacyContract(
+                "langevin", 0.0, self.sample_rate, **clips, langevin_beta0=self.langevin_beta0
+            )
+        if self.noise_multiplier is not None:
+            return PrivacyContract(self.mechanism, self.noise_multiplier, self.sample_rate, **clips)
+        return PrivacyContract.for_budget(
+            self.mechanism,
+            self.target_epsilon,
+            self.delta,
+            self.sample_rate,
+            self.steps_per_party,
+            **clips,
+        )
+
+    @property
+    def anchor_config(self) -> GEPConfig:
+        """The server's step configuration for the anchor subspace (public data only)."""
+        return GEPConfig(
+            self.contract,
+            num_basis=self.num_basis,
+            num_anchors=self.num_anchors,
+            power_iterations=self.power_iterations,
+            anchor_labels=self.anchor_labels,
+            max_chunk=self.max_chunk,
+        )
+
+    def to_record(self) -> dict:
+        """Flat kebab-case mapping (run-config style); None written as "auto" / 0."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                value = "auto" if f.name == "noise_multiplier" else 0
+            if f.name == "noise_seed" and getattr(self, f.name) is None:
+                value = -1
+            out[f.name.replace("_", "-")] = value
+        return out
+
+    @classmethod
+    def from_record(cls, values: Mapping[str, object]) -> FederationConfig:
+        """From a kebab- or snake-case mapping (a Flower run config, JSON), naming bad keys,
+        resolved as ``for_task`` resolves (defaults, the task's recommendations, the values).
+
+        A Flower run config must list every key (``flwr run --run-config`` overrides only
+        keys the app's ``pyproject.toml`` has), so there a value ``"default"`` means "not
+        given": the task's recommendation, else the field's default, applies."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                raise ConfigError(
+                    f"unknown setting {key!r}; known: {sorted(k.replace('_', '-') for k in known)}"
+                )
+            if value == RUN_CONFIG_DEFAULT:
+                continue
+            means_none = (
+                (name == "noise_multiplier" and value == "auto")
+                or (name in ("num_anchors", "total_examples") and value == 0)
+                or (name == "noise_seed" and isinstance(value, int) and value < 0)
+            )
+            if means_none:
+                value = None
+            elif (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and (known[name].type in ("float", "float | None"))
+            ):
+                value = float(value)
+            kwargs[name] = value
+        return cls.for_task(**kwargs)
+
+    @classmethod
+    def run_config_template(cls) -> dict:
+        """The ``[tool.flwr.app.config]`` table of an app's ``pyproject.toml``: every key, with
+        the default task and ``"default"`` for the rest (pinned by a test)."""
+        template = {f.name.replace("_", "-"): RUN_CONFIG_DEFAULT for f in fields(cls)}
+        template["task"] = cls.__dataclass_fields__["task"].default
+        return template
