@@ -65,6 +65,7 @@ def check_flag(name: str, value: object) -> None:
 # Ranges shared by several owners' settings (each is still declared here only once).
 POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
+NOISE_MULTIPLIER = NON_NEGATIVE  # sigma; 0 is no noise (no privacy), never negative
 AT_LEAST_ONE = Range(1, integer=True)
 PROBABILITY = Range(0, 1, low_open=True)  # a Poisson rate q, a quantile
 MOMENTUM = Range(0, 1, high_open=True)

@@ -19,7 +19,7 @@ import dp_accounting
 import numpy as np
 from dp_accounting import pld, rdp
 
-from gep_fed.validation import DELTA
+from gep_fed.validation import DELTA, NOISE_MULTIPLIER, PROBABILITY
 
 # dp-accounting logs a warning for each fractional RDP order whose series does not converge
 # and then excludes that order: the result is still a valid bound, so the noise is dropped.
@@ -82,20 +82,15 @@ class PrivacyEvent:
                 "mechanism's event(...) (e.g. GEP.event(sigma, q)), which knows how many "
                 "vectors one step releases"
             )
-        if not (sigma >= 0 and math.isfinite(sigma)):
-            raise ValueError(f"accounting_noise_multiplier must be finite and >= 0, got {sigma}")
+        NOISE_MULTIPLIER.check("accounting_noise_multiplier", sigma)
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.adjacency not in ADJACENCIES:
             raise ValueError(f"adjacency must be one of {ADJACENCIES}, got {self.adjacency!r}")
         if self.adjacency == "replace-one" and self.sample_rate != 1:
             raise ValueError("replace-one events are accounted without subsampling (q = 1)")
-        if not (0 < self.sample_rate <= 1):
-            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
-        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-            raise ValueError(
-                f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}"
-            )
+        PROBABILITY.check("sample_rate", self.sample_rate)
+        NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
 

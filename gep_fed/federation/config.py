@@ -23,7 +23,7 @@ from gep_fed.validation import (
     AT_LEAST_ONE,
     DELTA,
     MOMENTUM,
-    NON_NEGATIVE,
+    NOISE_MULTIPLIER,
     POSITIVE,
     PROBABILITY,
     ConfigError,
@@ -205,7 +205,7 @@ class FederationConfig:
         DELTA.check("delta", self.delta)
         PROBABILITY.check("sample_rate", self.sample_rate)
         if self.noise_multiplier is not None:  # 0 switches the noise off (no privacy)
-            NON_NEGATIVE.check("noise_multiplier", self.noise_multiplier)
+            NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
         for name in ("dirichlet_alpha", "round_timeout"):
             POSITIVE.check(name, getattr(self, name))
         for name in ("local_lr", "server_lr"):

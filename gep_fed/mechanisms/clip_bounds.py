@@ -22,10 +22,13 @@ from collections.abc import Iterator
 
 import torch
 
+from gep_fed.validation import Range
+
 # The clip norms a mechanism accepts (S, S1, S2). Inside this range float32 holds every
 # clipped contribution and its noise with room to spare, and the absolute error of products
 # that underflow (``eta`` per entry) stays below 1e-9 of the bound for any model size.
 CLIP_BOUND_RANGE = (1e-30, 1e30)
+CLIP_BOUND = Range(*CLIP_BOUND_RANGE)
 SUPPORTED_DTYPES = (torch.float32, torch.float64)
 U64 = 2.0**-53
 

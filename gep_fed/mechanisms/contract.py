@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
 from gep_fed.accounting.events import PrivacyEvent
-from gep_fed.mechanisms.clip_bounds import CLIP_BOUND_RANGE
+from gep_fed.mechanisms.clip_bounds import CLIP_BOUND
 from gep_fed.mechanisms.mechanism import GP, Mechanism, calibrate_noise_multiplier, mechanism_class
-from gep_fed.validation import NON_NEGATIVE, PROBABILITY, ConfigError, Range, check_choice
+from gep_fed.validation import NOISE_MULTIPLIER, PROBABILITY, ConfigError, Range, check_choice
 
 MECHANISMS = ("gep", "bgep", "gp")
 FEDERATED_MECHANISMS = (*MECHANISMS, "langevin")
-CLIP_BOUND = Range(*CLIP_BOUND_RANGE)
 
 # GEP's best known step: the setting every standard benchmark (MNIST, Fashion-MNIST, CIFAR-10
 # on ScatterNet features; benchmarks/standard.py) chose on validation, for GEP (S1, S2/S1 = 0.5,
@@ -65,7 +64,7 @@ class PrivacyContract:
 
     def __post_init__(self) -> None:
         check_choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
-        NON_NEGATIVE.check("noise_multiplier", self.noise_multiplier)
+        NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
         PROBABILITY.check("sample_rate", self.sample_rate)
         for name in ("clip_embedding", "clip_residual", "clip_norm"):
             CLIP_BOUND.check(name, getattr(self, name))

@@ -16,7 +16,7 @@ import torch
 
 from gep_fed.accounting.events import PrivacyEvent, calibrate
 from gep_fed.mechanisms.clip_bounds import (
-    CLIP_BOUND_RANGE,
+    CLIP_BOUND,
     U64,
     check_dtype,
     clip_factors,
@@ -30,6 +30,7 @@ from gep_fed.mechanisms.clip_bounds import (
 )
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.validation import NOISE_MULTIPLIER
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,7 @@ class Mechanism(ABC):
     noise_multiplier: float
 
     def _check_noise(self) -> None:
-        if not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
-            raise ValueError(
-                f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}"
-            )
+        NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
 
     @abstractmethod
     def clip(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> PerExampleClipping:
@@ -235,12 +233,6 @@ def _nonfinite_rows(norms: torch.Tensor) -> torch.Tensor | None:
     return bad if bool(bad.any()) else None
 
 
-def _check_bound(name: str, value: float) -> float:
-    low, high = CLIP_BOUND_RANGE
-    if not (low <= value <= high):
-        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value}")
-    return float(value)
-
 
 @dataclass(frozen=True)
 class GEP(Mechanism):
@@ -267,8 +259,8 @@ class GEP(Mechanism):
     releases: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
-        _check_bound("clip_embedding (S1)", self.clip_embedding)
-        _check_bound("clip_residual (S2)", self.clip_residual)
+        CLIP_BOUND.check("clip_embedding (S1)", self.clip_embedding)
+        CLIP_BOUND.check("clip_residual (S2)", self.clip_residual)
         self._check_noise()
 
     def noise_stds(self):
@@ -333,7 +325,7 @@ class BGEP(Mechanism):
     releases: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        _check_bound("clip_embedding (S1)", self.clip_embedding)
+        CLIP_BOUND.check("clip_embedding (S1)", self.clip_embedding)
         self._check_noise()
 
     def noise_stds(self):
@@ -370,7 +362,7 @@ class GP(Mechanism):
     releases: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        _check_bound("clip_norm (S)", self.clip_norm)
+        CLIP_BOUND.check("clip_norm (S)", self.clip_norm)
         self._check_noise()
 
     def noise_stds(self):
