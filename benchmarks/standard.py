@@ -64,14 +64,8 @@ from common import RESULTS, SHARED_DATA
 from gep_fed import GEPConfig, GEPStep, PrivacyContract
 from gep_fed.accounting import epsilon_pld, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
-from gep_fed.data.datasets import (
-    MNIST_MEAN,
-    MNIST_STD,
-    DataError,
-    load_kmnist,
-    load_mnist,
-    to_tensor,
-)
+from gep_fed.data.datasets import MNIST_MEAN, MNIST_STD, load_kmnist, load_mnist, to_tensor
+from gep_fed.data.formats import DataError
 from gep_fed.data.models import MnistCNN
 from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class

@@ -9,7 +9,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Rec
 
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.data.builtin_tasks import DigitsTask
-from gep_fed.data.datasets import DataError, load_site_file
+from gep_fed.data.datasets import load_site_file
+from gep_fed.data.formats import DataError
 from gep_fed.data.task import TaskSettings
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig

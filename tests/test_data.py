@@ -8,16 +8,15 @@ from conftest import shared_file
 
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import (
-    DataError,
     load_digits,
     load_kmnist,
     load_medmnist,
     load_mnist,
     load_site_file,
     mnist_split,
-    read_idx,
     sample_photo_patches,
 )
+from gep_fed.data.formats import DataError, read_idx
 from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import TaskSettings
 

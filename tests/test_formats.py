@@ -13,15 +13,17 @@ import torch
 from conftest import shared_file
 from PIL import Image
 
-from gep_fed.data.datasets import MNIST_MEAN, MNIST_STD, DataError, read_idx, to_tensor
+from gep_fed.data.datasets import MNIST_MEAN, MNIST_STD, to_tensor
 from gep_fed.data.formats import (
     Cifar10Dataset,
+    DataError,
     DicomFolderDataset,
     IdxDataset,
     ImageFolderDataset,
     ImageTransform,
     MedMNISTDataset,
     NpzDataset,
+    read_idx,
 )
 
 

@@ -11,7 +11,7 @@ from conftest import SHARED_DATA, shared_file
 
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.data.builtin_tasks import DigitsTask
-from gep_fed.data.datasets import DataError
+from gep_fed.data.formats import DataError
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import TaskSettings
 from gep_fed.federation.config import FederationConfig

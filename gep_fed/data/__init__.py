@@ -1,7 +1,7 @@
 """Data and tasks: the task interface, the built-in tasks by name, data sets and their
 readers (arrays, image folders, DICOM, CIFAR-10), site partitions, models, metrics."""
 
-from gep_fed.data.datasets import DataError
+from gep_fed.data.formats import DataError
 from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
 from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
 from gep_fed.data.task import CheckedExamples, Task, TaskSettings

@@ -40,7 +40,6 @@ from gep_fed.data.datasets import (
     MNIST_MEAN,
     MNIST_STD,
     ArrayDataset,
-    DataError,
     load_digits,
     load_kmnist,
     load_medmnist,
@@ -49,7 +48,7 @@ from gep_fed.data.datasets import (
     mnist_split,
     sample_photo_patches,
 )
-from gep_fed.data.formats import Cifar10Dataset, ImageDataset, ImageTransform, NpzDataset
+from gep_fed.data.formats import Cifar10Dataset, DataError, ImageDataset, ImageTransform, NpzDataset
 from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
 from gep_fed.data.task import ArrayImageDataset, FeatureDataset, Task, TaskSettings
 from gep_fed.mechanisms.contract import (

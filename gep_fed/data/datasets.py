@@ -1,4 +1,6 @@
-"""Data sets: loaders with clear errors, and the fixed splits the experiments use.
+"""Data sets held in memory: the shared and bundled data sets, and the fixed splits the
+experiments use. Each file format has one reader, in ``gep_fed.data.formats``; the loaders
+here read whole files through them.
 
 Private data: MNIST (IDX files, e.g. ``../shared/data/mnist``, or torchvision's download where
 there is internet), any MedMNIST ``<flag>.npz``, scikit-learn's bundled digits (the offline
@@ -9,7 +11,6 @@ normalised ``(N, C, H, W)`` float tensors.
 
 from __future__ import annotations
 
-import gzip
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gep_fed.data.formats import (
+    DataError,
+    IdxDataset,
+    ImageDataset,
+    MedMNISTDataset,
+    NpzDataset,
+    npz_member,
+)
+
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC = 0x00000803, 0x00000801
 MEDMNIST_KEYS = tuple(f"{s}_{k}" for s in ("train", "val", "test") for k in ("images", "labels"))
-
-
-class DataError(ValueError):
-    """A data file is missing, unreadable or not in the expected format (named in the message)."""
 
 
 @dataclass(frozen=True)
@@ -47,44 +52,20 @@ class ArrayDataset:
     def num_classes(self) -> int:
         return int(self.labels.max()) + 1 if len(self.labels) else 0
 
-
-def _read(path: Path) -> bytes:
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist")
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-        return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-    except (OSError, EOFError, gzip.BadGzipFile) as err:
-        raise DataError(f"cannot read {path}: {err}") from err
-
-
-def read_idx(path: str | Path) -> np.ndarray:
-    """An IDX file (MNIST format, optionally gzipped) as a ``uint8`` array."""
-    path = Path(path)
-    raw = _read(path)
-    if len(raw) < 8:
-        raise DataError(f"{path} is too short to be an IDX file ({len(raw)} bytes)")
-    magic = int.from_bytes(raw[:4], "big")
-    if magic not in (IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC):
-        raise DataError(
-            f"{path} has magic number {magic:#010x}; expected an IDX file of unsigned bytes "
-            f"({IDX_IMAGES_MAGIC:#010x} for images, {IDX_LABELS_MAGIC:#010x} for labels)"
-        )
-    ndim = raw[3]
-    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    offset = 4 + 4 * ndim
-    expected = int(np.prod(dims))
-    if len(raw) - offset != expected:
-        raise DataError(
-            f"{path} declares shape {dims} ({expected} bytes of data) but holds "
-            f"{len(raw) - offset}; the file is truncated or damaged"
-        )
-    return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
+    @classmethod
+    def of(cls, reader: ImageDataset) -> ArrayDataset:
+        """Every image and label of one of ``gep_fed.data.formats``' readers, in memory."""
+        if reader.multi_label:
+            raise DataError("multi-label data cannot be held as class-index labels")
+        images = np.array(reader.uint8_images())  # in memory, detached from the file
+        if images.ndim == 4 and images.shape[-1] == 1:
+            images = images[..., 0]
+        return cls(images, reader.targets())
 
 
 def load_mnist(root: str | Path, split: str = "test", download: bool = False) -> ArrayDataset:
-    """MNIST from a folder of the original IDX files (``root/MNIST/raw`` or ``root``).
+    """MNIST from a folder of the original IDX files (``root/MNIST/raw`` or ``root``), read by
+    ``IdxDataset``.
 
     ``split`` is "train" or "test" (``t10k``). With ``download=True`` and no files present,
     torchvision downloads them (needs internet).
@@ -99,10 +80,7 @@ def load_mnist(root: str | Path, split: str = "test", download: bool = False) ->
         img = next((p for p in images if p.exists()), None)
         lab = next((p for p in labels if p.exists()), None)
         if img and lab:
-            x, y = read_idx(img), read_idx(lab)
-            if x.ndim != 3 or y.ndim != 1:
-                raise DataError(f"{img} / {lab}: expected (N, 28, 28) images and (N,) labels")
-            return ArrayDataset(x, y.astype(np.int64))
+            return ArrayDataset.of(IdxDataset(img, lab))
     if download:
         import torchvision
 
@@ -114,52 +92,29 @@ def load_mnist(root: str | Path, split: str = "test", download: bool = False) ->
     )
 
 
-def _load_npz(path: Path) -> np.lib.npyio.NpzFile:
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise DataError(f"cannot read {path} as a numpy .npz archive: {err}") from err
-
-
-def _npz_array(npz, path: Path, key: str) -> np.ndarray:
-    if key not in npz.files:
-        raise DataError(f"{path} has no array {key!r} (it has {sorted(npz.files)})")
-    try:
-        return npz[key]
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
-        raise DataError(f"{path}: array {key!r} is damaged: {err}") from err
-
-
 def load_kmnist(root: str | Path) -> ArrayDataset:
     """KMNIST test set from ``kmnist-test-imgs.npz`` and ``kmnist-test-labels.npz`` (key arr_0)."""
     root = Path(root)
     img_path, lab_path = root / "kmnist-test-imgs.npz", root / "kmnist-test-labels.npz"
-    x = _npz_array(_load_npz(img_path), img_path, "arr_0")
-    y = _npz_array(_load_npz(lab_path), lab_path, "arr_0")
+    x = np.asarray(npz_member(img_path, "arr_0", lazy=False))
+    y = np.asarray(npz_member(lab_path, "arr_0", lazy=False))
     if x.ndim != 3:
         raise DataError(f"{img_path}: expected (N, H, W) images, got shape {x.shape}")
     return ArrayDataset(x, y.astype(np.int64))
 
 
 def load_medmnist(path: str | Path) -> dict[str, ArrayDataset]:
-    """Any MedMNIST ``<flag>.npz``: {"train", "val", "test"} with grey (N, H, W) or RGB
-    (N, H, W, 3) images and labels of shape (N, 1) (single-label tasks)."""
-    path = Path(path)
-    npz = _load_npz(path)
+    """Any single-label MedMNIST ``<flag>.npz`` (grey ``(N, H, W)`` or RGB ``(N, H, W, 3)``
+    images, labels ``(N, 1)``): {"train", "val", "test"}, each read by ``MedMNISTDataset``."""
     out = {}
     for split in ("train", "val", "test"):
-        x = _npz_array(npz, path, f"{split}_images")
-        y = _npz_array(npz, path, f"{split}_labels")
-        if x.ndim not in (3, 4) or (x.ndim == 4 and x.shape[-1] != 3):
-            raise DataError(f"{path}: {split}_images has shape {x.shape}; expected (N,H,W[,3])")
-        if y.ndim == 2 and y.shape[1] != 1:
+        reader = MedMNISTDataset(path, split)
+        if reader.multi_label:
             raise DataError(
-                f"{path}: {split}_labels has shape {y.shape}; only single-label tasks (N, 1) "
-                "are supported"
+                f"{path}: {split}_labels hold {reader.num_classes} labels per example; only "
+                "single-label tasks (N, 1) are supported here"
             )
-        out[split] = ArrayDataset(x, y.reshape(-1).astype(np.int64))
+        out[split] = ArrayDataset.of(reader)
     return out
 
 
@@ -223,29 +178,21 @@ def validation_split(
 
 
 def load_site_file(path: str | Path) -> ArrayDataset:
-    """A site's data file: ``.npz`` with ``images`` and ``labels``, or MedMNIST layout."""
+    """A site's data file, read whole: ``.npz`` with ``images`` and ``labels`` (``NpzDataset``),
+    or a MedMNIST file (its train split, ``MedMNISTDataset``)."""
     path = Path(path)
+    if not path.is_file():
+        raise DataError(f"site data file {path} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            keys = set(npz.files)
-            if {"images", "labels"} <= keys:
-                images, labels = npz["images"], npz["labels"]
-            elif {"train_images", "train_labels"} <= keys:
-                images, labels = npz["train_images"], npz["train_labels"]
-            else:
-                raise DataError(
-                    f"{path} has arrays {sorted(keys)}; expected 'images' and 'labels' (or a "
-                    "MedMNIST file with 'train_images' and 'train_labels')"
-                )
-    except FileNotFoundError as err:
-        raise DataError(f"site data file {path} does not exist") from err
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
+        with zipfile.ZipFile(path) as zf:
+            keys = {n.removesuffix(".npy") for n in zf.namelist()}
+    except (OSError, zipfile.BadZipFile) as err:
         raise DataError(f"cannot read site data file {path}: {err}") from err
-    if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        raise DataError(
-            f"{path}: images must be uint8 (N, H, W[, C]), got {images.dtype}{images.shape}"
-        )
-    labels = labels.reshape(-1)
-    if not np.issubdtype(labels.dtype, np.integer) or (labels < 0).any():
-        raise DataError(f"{path}: labels must be non-negative integers")
-    return ArrayDataset(images, labels.astype(np.int64))
+    if {"images", "labels"} <= keys:
+        return ArrayDataset.of(NpzDataset(path))
+    if {"train_images", "train_labels"} <= keys:
+        return ArrayDataset.of(MedMNISTDataset(path, "train"))
+    raise DataError(
+        f"{path} has arrays {sorted(keys)}; expected 'images' and 'labels' (or a MedMNIST file "
+        "with 'train_images' and 'train_labels')"
+    )

@@ -29,6 +29,7 @@ data (statistics of a site's images would be an unaccounted release of private i
 
 from __future__ import annotations
 
+import gzip
 import operator
 import zipfile
 from abc import ABC, abstractmethod
@@ -41,13 +42,53 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from gep_fed.data.datasets import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, DataError, read_idx
-
 # ITU-R 601-2 luma weights: the ones PIL's convert("L") uses, so RGB->grey agrees with PIL.
 _LUMA = (0.299, 0.587, 0.114)
 _GREY_MODES = ("1", "L", "LA")
 CIFAR10_RECORD = 3073  # 1 label byte + 3 x 32 x 32 pixel bytes (red, green, blue planes)
 MEDMNIST_SPLITS = ("train", "val", "test")
+IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC = 0x00000803, 0x00000801
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable or not in the expected format (named in the message)."""
+
+
+def _read(path: Path) -> bytes:
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise DataError(f"cannot read {path}: {err}") from err
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """An IDX file (MNIST format, optionally gzipped) as a ``uint8`` array."""
+    path = Path(path)
+    raw = _read(path)
+    if len(raw) < 8:
+        raise DataError(f"{path} is too short to be an IDX file ({len(raw)} bytes)")
+    magic = int.from_bytes(raw[:4], "big")
+    if magic not in (IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC):
+        raise DataError(
+            f"{path} has magic number {magic:#010x}; expected an IDX file of unsigned bytes "
+            f"({IDX_IMAGES_MAGIC:#010x} for images, {IDX_LABELS_MAGIC:#010x} for labels)"
+        )
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    offset = 4 + 4 * ndim
+    expected = int(np.prod(dims))
+    if len(raw) - offset != expected:
+        raise DataError(
+            f"{path} declares shape {dims} ({expected} bytes of data) but holds "
+            f"{len(raw) - offset}; the file is truncated or damaged"
+        )
+    return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
+
+
 
 
 def _floats(value: float | Sequence[float], name: str) -> tuple[float, ...]:
@@ -261,7 +302,7 @@ def _stored_npy(path: Path, header_offset: int) -> _Mapped | None:
         return _Mapped(path, dtype, fh.tell(), shape, "F" if fortran else "C")
 
 
-def _npz_member(path: Path, key: str, *, lazy: bool) -> np.ndarray | _Mapped:
+def npz_member(path: Path, key: str, *, lazy: bool) -> np.ndarray | _Mapped:
     """Array ``key`` of an ``.npz``: mapped when ``lazy`` and stored uncompressed, else loaded."""
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
@@ -304,6 +345,9 @@ class _ArrayImages(ImageDataset):
     def _image(self, i: int) -> np.ndarray:
         return np.asarray(self._images[i])
 
+    def uint8_images(self) -> np.ndarray:
+        return np.asarray(self._images[:])
+
 
 class NpzDataset(_ArrayImages):
     """A site file ``.npz`` with uint8 images ``(N, H, W[, C])`` and integer labels.
@@ -325,8 +369,8 @@ class NpzDataset(_ArrayImages):
         num_classes: int | None = None,
     ) -> None:
         self.path = Path(path)
-        images = _npz_member(self.path, images_key, lazy=True)
-        labels = _npz_member(self.path, labels_key, lazy=False)
+        images = npz_member(self.path, images_key, lazy=True)
+        labels = npz_member(self.path, labels_key, lazy=False)
         source = f"{self.path} ({images_key!r}, {labels_key!r})"
         super().__init__(images, labels, source, transform, num_classes)
 
@@ -353,7 +397,7 @@ class MedMNISTDataset(NpzDataset):
             raise DataError(f"MedMNIST split must be one of {MEDMNIST_SPLITS}, got {split!r}")
         path = Path(path)
         if num_classes is None:
-            labels = [_npz_member(path, f"{s}_labels", lazy=False) for s in MEDMNIST_SPLITS]
+            labels = [npz_member(path, f"{s}_labels", lazy=False) for s in MEDMNIST_SPLITS]
             if labels[0].ndim == 2 and labels[0].shape[1] > 1:
                 num_classes = labels[0].shape[1]
             elif all(np.issubdtype(y.dtype, np.integer) for y in labels):

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from gep_fed.data.datasets import DataError, to_tensor
+from gep_fed.data.datasets import to_tensor
+from gep_fed.data.formats import DataError
 from gep_fed.data.metrics import KINDS, evaluate_predictions, loss_for
 
 

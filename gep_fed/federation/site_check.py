@@ -20,7 +20,7 @@ from gep_fed.accounting.ledger import (
     default_mark_path,
     read_ledger_key,
 )
-from gep_fed.data.datasets import DataError
+from gep_fed.data.formats import DataError
 from gep_fed.data.task import CheckedExamples
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.mechanisms.per_example import IncompatibleModelError, validate_model
