@@ -19,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, mnist_data, save
 
 from gep_fed import GEPConfig, PrivacyContract, calibrate_noise_multiplier
+from gep_fed.data.metrics import evaluate
 from gep_fed.data.models import MnistCNN
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_private
+from gep_fed.training import OptimizerConfig, train_private
 
 SETTINGS = [(1, 2000), (5, 2000), (20, 2000), (1, 500), (5, 500), (20, 500)]
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
             OptimizerConfig(lr=0.5),
             generator=torch.Generator().manual_seed(0),
             noise=NoiseSource(1),
-            evaluate_fn=lambda m: evaluate(m, *data["val"]),
+            evaluate_fn=lambda m: evaluate(m, data["val"], "multiclass"),
         )
         secs = time.perf_counter() - began
         rows.append(

@@ -20,7 +20,8 @@ from gep_fed.data.datasets import (
     to_tensor,
     validation_split,
 )
-from gep_fed.mechanisms.training import OptimizerConfig, evaluate
+from gep_fed.data.metrics import evaluate
+from gep_fed.training import OptimizerConfig
 
 SHARED_DATA = Path(
     os.environ.get("GEP_FED_SHARED_DATA", Path(__file__).parents[1] / ".." / "shared" / "data")
@@ -88,7 +89,8 @@ def train_opacus(
             if len(xb):
                 F.cross_entropy(model(xb), yb).backward()
             opt.step()
-    return evaluate(model, *eval_xy)["accuracy"], engine.get_epsilon(delta), opt.noise_multiplier
+    accuracy = evaluate(model, eval_xy, "multiclass")["accuracy"]
+    return accuracy, engine.get_epsilon(delta), opt.noise_multiplier
 
 
 def save(name: str, payload: dict) -> Path:

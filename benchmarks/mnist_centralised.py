@@ -25,14 +25,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, mnist_data, save, train_opacus
 
 from gep_fed import GEPConfig, PrivacyContract, calibrate_noise_multiplier
+from gep_fed.data.metrics import evaluate
 from gep_fed.data.models import MnistCNN
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.training import (
-    OptimizerConfig,
-    evaluate,
-    train_nonprivate,
-    train_private,
-)
+from gep_fed.training import OptimizerConfig, train_nonprivate, train_private
 
 DELTA = 1e-5
 BATCH = 256
@@ -82,7 +78,7 @@ def run_one(
             BATCH,
             opt,
             generator=torch.Generator().manual_seed(seed),
-            evaluate_fn=lambda m: evaluate(m, *eval_xy),
+            evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
         )
         return {
             "accuracy": res.accuracy,
@@ -124,7 +120,7 @@ def run_one(
         delta=DELTA,
         generator=torch.Generator().manual_seed(seed),
         noise=NoiseSource(seed + 1),
-        evaluate_fn=lambda m: evaluate(m, *eval_xy),
+        evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
     )
     return {
         "accuracy": res.accuracy,

@@ -59,19 +59,20 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+import standard_table
 from common import RESULTS, SHARED_DATA
+from standard_table import fmt_setting
 
-from gep_fed import GEPConfig, GEPStep, PrivacyContract
+from gep_fed import GEPConfig, PrivacyContract
 from gep_fed.accounting import epsilon_pld, epsilon_rdp
-from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.data.datasets import MNIST_MEAN, MNIST_STD, load_kmnist, load_mnist, to_tensor
 from gep_fed.data.formats import DataError
+from gep_fed.data.metrics import evaluate
 from gep_fed.data.models import MnistCNN
 from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.sampling import PoissonSampler
-from gep_fed.mechanisms.training import OptimizerConfig, evaluate, train_nonprivate
+from gep_fed.training import OptimizerConfig, train_nonprivate, train_private
 
 DELTA = 1e-5
 OUT = RESULTS / "standard"
@@ -104,182 +105,50 @@ DATASETS = {
     },
 }
 
-# Published figures beside ours (delta = 1e-5 throughout).
-T_AND_B = (
-    'Tramer & Boneh 2021, "Differentially Private Learning Needs Better Features (or Much '
-    'More Data)", ICLR 2021'
-)
-TEMPERED = (
-    'Papernot, Thakurta, Song, Chien & Erlingsson 2021, "Tempered Sigmoid Activations for '
-    'Deep Learning with Differential Privacy", AAAI 2021 (DP-SGD of Abadi et al. 2016), as '
-    "tabulated by Tramer & Boneh 2021"
-)
-PUBLISHED = {
-    "mnist": [
-        ("ScatterNet + linear, DP-SGD", 3.0, 98.7, T_AND_B),
-        (
-            "ScatterNet + linear, DP-SGD",
-            2.0,
-            98.5,
-            T_AND_B + " (the epsilon-2 value as quoted "
-            "in issue #13, read from their privacy-accuracy curves)",
-        ),
-        ("end-to-end tanh CNN, DP-SGD", 3.0, 98.1, TEMPERED),
-    ],
-    "fmnist": [
-        ("ScatterNet + linear, DP-SGD", 3.0, 89.7, T_AND_B),
-        ("end-to-end tanh CNN, DP-SGD", 3.0, 86.0, T_AND_B + "; tanh CNN of " + TEMPERED),
-    ],
-}
-GEP_PAPER = (
-    'Yu, Zhang, Chen, Yin & Liu 2021, "Do not Let Privacy Overbill Utility: Gradient Embedding '
-    'Perturbation for Private Learning", ICLR 2021 (ResNet20 with GroupNorm, ImageNet images '
-    "as anchors; all 50,000 CIFAR-10 training images and the official test set, where we use "
-    "20,000 and batch 5)"
-)
-PUBLISHED["cifar10"] = [
-    ("ScatterNet + linear, DP-SGD", 3.0, 67.0, T_AND_B),
-    ("ScatterNet + CNN, DP-SGD", 3.0, 69.3, T_AND_B),
-    ("end-to-end CNN, DP-SGD", 3.0, 59.2, TEMPERED),
-    ("ResNet20-GN, GP (DP-SGD)", 8.0, 56.4, GEP_PAPER),
-    ("ResNet20-GN, GEP", 8.0, 74.9, GEP_PAPER),
-]
 # (target epsilon, test accuracy to reach); None: the goal is not an accuracy (GOAL_TEXT)
 GOALS = {"mnist": (2.0, 98.5), "fmnist": (3.0, 89.7), "cifar10": (8.0, None)}
-GOAL_TEXT = {"cifar10": "GEP at least 5 points above tuned DP-SGD (Opacus) at epsilon 8"}
 
 
-def _s(**kw) -> dict:
-    return dict(kw)
+
+GRIDS_FILE = Path(__file__).with_name("standard_grids.toml")
+GRID_METHODS = ("gp", "gep", "bgep", "nonprivate")
 
 
-# Tuning grids: the SAME number of settings for every method (equal tuning budget). Private
-# settings: batch B (nominal; q = 1/ceil(n/B)), epochs, lr (SGD, momentum 0.9, on the mean
-# clipped gradient), clip (S for gp/opacus; S1 for gep/bgep), GEP/B-GEP: k, s2_ratio (S2/S1),
-# anchors m per subspace, refresh (steps between subspaces).
-_GEP = {"k": 100, "anchors": 1000, "refresh": 10}
-GRIDS = {
-    # Regime finder: B = 4096 (TAN: noise per example within 8 % of B = 8192 at equal steps),
-    # 10 / 20 epochs, lr across a factor 4, the clip of Tramer & Boneh (0.1).
-    ("scatter", "small"): {
-        "gp": [_s(batch=4096, epochs=e, lr=lr, clip=0.1) for e in (10, 20) for lr in (2.0, 8.0)],
-        "gep": [
-            _s(batch=4096, epochs=e, lr=lr, clip=0.1, s2_ratio=0.5, **_GEP)
-            for e in (10, 20)
-            for lr in (2.0, 8.0)
-        ],
-        "bgep": [
-            _s(batch=4096, epochs=e, lr=lr, clip=0.1, **_GEP) for e in (10, 20) for lr in (2.0, 8.0)
-        ],
-        "nonprivate": [_s(batch=256, epochs=e, lr=lr) for e in (10, 20) for lr in (0.005, 0.02)],
-    },
-    # The protocol grid, after the small grid and a noise-free diagnostic (clipping alone at
-    # the small grid's best setting: 98.15 % against 98.05 % with the epsilon-2 noise; twice
-    # the steps: 98.62 %): accuracy is limited by the number of steps, not the noise, so
-    # smaller batches with more steps at higher learning rates, at most 1.2 M examples
-    # processed per final run. GP/Opacus tune the batch, GEP the residual share S2/S1.
-    ("scatter", "main"): {
-        "gp": [
-            _s(batch=b, epochs=20, lr=lr, clip=0.1)
-            for b in (1024, 2048)
-            for lr in (8.0, 16.0, 32.0)
-        ],
-        "gep": [
-            _s(batch=1024, epochs=20, lr=lr, clip=0.1, s2_ratio=r, k=100, anchors=1000, refresh=40)
-            for r in (0.5, 0.8)
-            for lr in (8.0, 16.0, 32.0)
-        ],
-        "bgep": [
-            _s(batch=1024, epochs=20, lr=lr, clip=0.1, k=k, anchors=1000, refresh=40)
-            for k in (100, 200)
-            for lr in (8.0, 16.0, 32.0)
-        ],
-        "nonprivate": [
-            _s(batch=256, epochs=e, lr=lr) for e in (20, 40) for lr in (0.01, 0.02, 0.05)
-        ],
-    },
-    # The protocol grid, after "main": with the epsilon-2 noise, B = 1024 loses to B = 2048
-    # (the noise per step grows as the batch shrinks at equal epochs) and lr 8 beats 16 and
-    # 32. Every method gets the same batch x lr axes here (E = 20, C = S1 = 0.1); GEP keeps
-    # S2/S1 = 0.5 and k = 100 (the "small" and "main" grids varied those).
-    ("scatter", "main2"): {
-        "gp": [
-            _s(batch=b, epochs=20, lr=lr, clip=0.1) for b in (2048, 4096) for lr in (4.0, 8.0, 16.0)
-        ],
-        "gep": [
-            _s(batch=b, epochs=20, lr=lr, clip=0.1, s2_ratio=0.5, k=100, anchors=1000, refresh=20)
-            for b in (2048, 4096)
-            for lr in (4.0, 8.0, 16.0)
-        ],
-        "bgep": [
-            _s(batch=b, epochs=20, lr=lr, clip=0.1, k=100, anchors=1000, refresh=20)
-            for b in (2048, 4096)
-            for lr in (4.0, 8.0, 16.0)
-        ],
-        "nonprivate": [
-            _s(batch=256, epochs=e, lr=lr) for e in (20, 40) for lr in (0.01, 0.02, 0.05)
-        ],
-    },
-    ("scatter", "full"): {
-        "gp": [
-            _s(batch=b, epochs=e, lr=lr, clip=0.1)
-            for b in (4096, 8192)
-            for e in (20, 40, 60)
-            for lr in (4.0, 8.0)
-        ],
-        "gep": [
-            _s(batch=8192, epochs=e, lr=lr, clip=0.1, s2_ratio=r, **{**_GEP, "k": k})
-            for e in (40, 60)
-            for lr in (4.0, 8.0)
-            for r, k in ((0.5, 100), (0.7, 100), (0.5, 200))
-        ],
-        "bgep": [
-            _s(batch=8192, epochs=e, lr=lr, clip=0.1, **{**_GEP, "k": k})
-            for e in (40, 60)
-            for lr in (4.0, 8.0)
-            for k in (50, 100, 200)
-        ],
-        "nonprivate": [
-            _s(batch=256, epochs=e, lr=lr)
-            for e in (10, 20, 40)
-            for lr in (0.002, 0.005, 0.01, 0.02)
-        ],
-    },
-    # CIFAR-10 (16,000 fit images; 243 x 8 x 8 features, a 155,530-parameter linear head).
-    # Tramer & Boneh's ScatterNet + linear at epsilon 3 on 50,000 images: B = 8192, 60
-    # epochs (about 370 steps), lr 4, momentum 0.9, C = 0.1 (67.0 %). Here B = 2048 keeps
-    # q n / B near 1 (8 steps an epoch on 16,000, 10 on 20,000), 20 / 30 epochs (160-300
-    # steps), lr 2 / 4; every private method gets the same batch x epochs x lr axes (C = S1 =
-    # 0.1; GEP S2/S1 = 0.5, k = 100, m = 1000 anchors, a fresh subspace every 20 steps).
-    ("scatter", "cifar"): {
-        "gp": [_s(batch=2048, epochs=e, lr=lr, clip=0.1) for e in (20, 30) for lr in (2.0, 4.0)],
-        "gep": [
-            _s(batch=2048, epochs=e, lr=lr, clip=0.1, s2_ratio=0.5, k=100, anchors=1000, refresh=20)
-            for e in (20, 30)
-            for lr in (2.0, 4.0)
-        ],
-        "bgep": [
-            _s(batch=2048, epochs=e, lr=lr, clip=0.1, k=100, anchors=1000, refresh=20)
-            for e in (20, 30)
-            for lr in (2.0, 4.0)
-        ],
-        "nonprivate": [_s(batch=256, epochs=e, lr=lr) for e in (10, 20) for lr in (0.005, 0.02)],
-    },
-    ("raw", "small"): {
-        "gp": [_s(batch=1024, epochs=e, lr=lr, clip=0.1) for e in (20, 40) for lr in (1.0, 4.0)],
-        "gep": [
-            _s(batch=1024, epochs=e, lr=lr, clip=0.1, s2_ratio=0.5, **{**_GEP, "k": 200})
-            for e in (20, 40)
-            for lr in (1.0, 4.0)
-        ],
-        "bgep": [
-            _s(batch=1024, epochs=e, lr=lr, clip=0.1, **{**_GEP, "k": 200})
-            for e in (20, 40)
-            for lr in (1.0, 4.0)
-        ],
-        "nonprivate": [_s(batch=256, epochs=e, lr=lr) for e in (5, 10) for lr in (0.05, 0.1)],
-    },
-}
+def load_grids(path: Path = GRIDS_FILE) -> dict[tuple[str, str], dict[str, list[dict]]]:
+    """The tuning grids of ``standard_grids.toml``, expanded and checked: every
+    ``(features, grid)`` gives each method the same number of settings (Opacus runs GP's)."""
+    import itertools
+    import tomllib
+
+    raw = tomllib.loads(path.read_text())
+    grids = {}
+    for features, by_name in raw.items():
+        for name, methods in by_name.items():
+            if sorted(methods) != sorted(GRID_METHODS):
+                raise ValueError(f"{path}: grid {features}.{name} has methods {sorted(methods)}")
+            grid = {}
+            for method, spec in methods.items():
+                if set(spec) - {"fixed", "axes"}:
+                    raise ValueError(f"{path}: {features}.{name}.{method}: unknown keys")
+                names = [axis.split("+") for axis in spec["axes"]]
+                settings = []
+                for values in itertools.product(*spec["axes"].values()):
+                    setting = dict(spec.get("fixed", {}))
+                    for keys, value in zip(names, values, strict=True):
+                        setting.update(zip(keys, value if len(keys) > 1 else [value], strict=True))
+                    settings.append(setting)
+                grid[method] = settings
+            grid["opacus"] = [dict(s) for s in grid["gp"]]
+            sizes = {m: len(v) for m, v in grid.items()}
+            if len(set(sizes.values())) != 1:
+                raise ValueError(f"{path}: {features}.{name}: unequal tuning budgets {sizes}")
+            grids[(features, name)] = grid
+    return grids
+
+
+GRIDS = load_grids()
+
+
 # Issue 13's levers, measured on validation (TAN like the tuning) on top of each method's
 # best tuned setting of the grid: the subspace also spanning past releases (GEP), averaging
 # of the iterates (EMA; GEP and GP alike), S1 and S2 set at each subspace computation to the
@@ -304,12 +173,6 @@ LEVERS = {
     ),
     "gp": ({"ema": 0.99}, {"ema": 0.997}, {"warm": 10}),
 }
-
-for _grid in GRIDS.values():
-    _grid["opacus"] = [dict(s) for s in _grid["gp"]]
-    sizes = {m: len(v) for m, v in _grid.items()}
-    assert len(set(sizes.values())) == 1, f"unequal tuning budgets: {sizes}"
-
 
 # ---------------------------------------------------------------------------------------------
 # Data
@@ -490,41 +353,6 @@ def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_
     return model, engine.get_epsilon(DELTA)
 
 
-def train_library(
-    model, x, y, data, config, steps, opt_cfg, seed, eval_xy, public_labels=None, ema=None
-):
-    """GEP / B-GEP / GP through the library: ``gep_fed.mechanisms.training.train_private``'s
-    loop (``GEPStep`` on ``PoissonSampler`` batches, every step in a ledger), written out here
-    only to pass ``public_labels`` (``anchor_labels="true"``) and to average the iterates
-    (``ema``: decay of an exponential moving average of the parameters, evaluated instead of
-    the last iterate; post-processing, no privacy cost). Returns (accuracy, ledger)."""
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-    ledger = PrivacyLedger(DELTA)
-    generator = torch.Generator().manual_seed(seed)
-    step = GEPStep(
-        model,
-        data.public,
-        config,
-        dataset_size=len(x),
-        public_labels=public_labels,
-        noise=NoiseSource(seed + 1),
-        ledger=ledger,
-        generator=generator,
-    )
-    opt, sched = opt_cfg.make(model, steps)
-    averaged = None if ema is None else AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(ema))
-    for idx in PoissonSampler(len(x), config.sample_rate, steps, generator=generator):
-        opt.zero_grad(set_to_none=True)
-        step(x[idx], y[idx])
-        opt.step()
-        sched.step()
-        if averaged is not None:
-            averaged.update_parameters(model)
-    final = model if averaged is None else averaged.module
-    return evaluate(final, *eval_xy)["accuracy"], ledger
-
-
 # ---------------------------------------------------------------------------------------------
 # One run
 
@@ -568,7 +396,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
             setting["batch"],
             opt,
             generator=torch.Generator().manual_seed(args.seed),
-            evaluate_fn=lambda m: evaluate(m, *eval_xy),
+            evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
         )
         accuracy = res.accuracy
         rec.update(sigma=0.0, q=None, epsilon_rdp=None, epsilon_pld=None)
@@ -593,7 +421,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
             model, rec["epsilon_opacus_rdp"] = train_opacus_poisson(
                 model, x, y, sigma, setting["clip"], q_run, steps, opt, args.seed, args.max_chunk
             )
-            accuracy = evaluate(model, *eval_xy)["accuracy"]
+            accuracy = evaluate(model, eval_xy, "multiclass")["accuracy"]
         else:
             s1 = setting["clip"]
             config = GEPConfig(
@@ -615,19 +443,22 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 quantile_count_noise=count_run,
                 max_chunk=args.max_chunk,
             )
-            accuracy, ledger = train_library(
+            result = train_private(
                 model,
                 x,
                 y,
-                data,
+                data.public,
                 config,
                 steps,
                 opt,
-                args.seed,
-                eval_xy,
+                delta=DELTA,
+                generator=torch.Generator().manual_seed(args.seed),
+                noise=NoiseSource(args.seed + 1),
                 public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
-                ema=setting.get("ema"),
+                average_iterates=setting.get("ema"),
+                evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
             )
+            accuracy, ledger = result.accuracy, result.ledger
             rec["ledger_epsilon_rdp"] = ledger.epsilon()
         rec["epsilon_rdp"], rec["epsilon_pld"] = epsilons(mech, sigma, q_run, steps, count_run)
         if tan != 1:
@@ -645,6 +476,18 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # The log and the table
+
+
+def write_table(dataset: str, out: Path = OUT) -> Path:
+    """``dataset``'s table from its log (``standard_table.write_table``)."""
+    return standard_table.write_table(
+        dataset,
+        read_log(dataset, out),
+        DATASETS[dataset],
+        GOALS[dataset],
+        log_path(dataset, out),
+        Path(out) / f"{dataset}.md",
+    )
 
 
 def log_path(dataset: str, out: Path = OUT) -> Path:
@@ -681,194 +524,6 @@ def run_key(args, method: str, setting: dict, stage: str) -> str:
             "labels": args.anchor_labels,
         }
     return json.dumps(key, sort_keys=True)
-
-
-def fmt_setting(method: str, s: dict) -> str:
-    parts = [f"B={s['batch']}", f"E={s['epochs']}", f"lr={s['lr']:g}"]
-    if method in ("gp", "opacus"):
-        parts.append(f"S={s['clip']:g}")
-    if method == "gep":
-        parts.append(f"S1={s['clip']:g} S2={s['clip'] * s['s2_ratio']:.3g}")
-    if method == "bgep":
-        parts.append(f"S1={s['clip']:g}")
-    if method in ("gep", "bgep"):
-        parts.append(f"k={s['k']} m={s['anchors']} R={s['refresh']}")
-    if s.get("past"):
-        parts.append(f"past={s['past']}")
-    if s.get("ema"):
-        parts.append(f"EMA={s['ema']:g}")
-    if s.get("warm"):
-        parts.append(f"warm start {s['warm']} public epochs")
-    if s.get("quantile"):
-        parts.append(f"S1,S2=public q{s['quantile']:g}")
-    if s.get("private_quantile"):
-        parts.append(f"S2=private q{s['private_quantile']:g} (count noise B/20, accounted)")
-    return " ".join(parts)
-
-
-def _eps(rec: dict, which: str) -> str:
-    v = rec.get(which)
-    return "-" if v is None else f"{v:.3f}"
-
-
-def opacus_own(rec: dict) -> str:
-    v = rec.get("epsilon_opacus_rdp")
-    return "" if v is None else f" (Opacus' accountant: {v:.3f})"
-
-
-# How each data set's table describes its split and anchors (MNIST's text is the original).
-SPLIT_TEXT = {
-    "cifar10": "Protocol: 16,000 fit / 4,000 validation images carved (seeded) from the 20,000 "
-    "training images of CIFAR-10 binary batches 1-2 for tuning (the split of the library's "
-    "cifar10 task), equal-size grids per method; the chosen setting retrained on all 20,000 "
-    "and tested once on the 10,000 images of binary batch 5 (not the official test batch). ",
-}
-ANCHOR_TEXT = {
-    "cifar10": "GEP/B-GEP anchors: Tiny-ImageNet's 10,000 validation images at 32x32 through "
-    "the same front end, random labels. ScatterNet: kymatio Scattering2D(J=2, L=8) on each "
-    "colour channel of pixels / 255 (243 x 8 x 8), computed ",
-}
-
-
-def goal_text(dataset: str, records: list[dict]) -> str:
-    goal_eps, goal_acc = GOALS[dataset]
-    if goal_acc is not None:
-        return f"Goal of issue #13: GEP >= {goal_acc}% at epsilon {goal_eps:g}."
-    text = f"Goal: {GOAL_TEXT[dataset]}."
-    final = {
-        r["method"]: r
-        for r in records
-        if r["stage"] == "final" and r["epsilon"] == goal_eps and r["method"] in ("gep", "opacus")
-    }
-    if len(final) == 2:
-        gap = 100 * (final["gep"]["accuracy"] - final["opacus"]["accuracy"])
-        text += f" Now: GEP - Opacus = {gap:+.2f} points (test, the last final runs logged)."
-    return text
-
-
-def write_table(dataset: str, out: Path = OUT) -> Path:
-    records = read_log(dataset, out)
-    title = DATASETS[dataset]["title"]
-    split_text = SPLIT_TEXT.get(
-        dataset,
-        "Protocol: 50,000 fit / 10,000 validation images carved (seeded) from "
-        "the 60,000 training images for tuning, equal-size grids per method; the chosen "
-        "setting retrained on all 60,000 and tested once on the official 10,000 test images. ",
-    )
-    anchor_text = ANCHOR_TEXT.get(
-        dataset,
-        "GEP/B-GEP anchors: KMNIST through the same front end, random labels "
-        "unless stated. ScatterNet: kymatio Scattering2D(J=2, L=8) on pixels / 255, computed ",
-    )
-    n_fit = DATASETS[dataset]["n_train"] - DATASETS[dataset]["val_size"]
-    lines = [
-        f"# {title}: GEP against DP-SGD (Opacus) on the standard split",
-        "",
-        "Written by `benchmarks/standard.py` from `" + log_path(dataset, out).name + "` (every "
-        "run, all sessions). " + split_text + "Poisson sampling at q = 1/ceil(n/B) for every "
-        "private method (Opacus too); sigma calibrated under RDP for the target epsilon, "
-        "delta = 1e-5; epsilon reported under RDP and PLD. " + anchor_text + "once (no "
-        "parameters, no data statistics: no privacy cost), per-example GroupNorm "
-        "(no statistics across examples). Seconds are wall / CPU seconds on a shared 2-core "
-        f"machine, 1 thread. {goal_text(dataset, records)}",
-        "",
-        "## Test accuracy (chosen on validation, tested once)",
-        "",
-        "| method | features | tuning grid | epsilon target | chosen setting | val acc | "
-        "test acc | epsilon RDP | epsilon PLD | sigma | q | steps | train s (wall / CPU) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    finals = [r for r in records if r["stage"] == "final"]
-    tunes = [r for r in records if r["stage"] == "tune"]
-    for r in finals:
-        feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
-        val = r.get("chosen_val_accuracy")
-        lines.append(
-            f"| {r['method']} | {feats} | {r.get('grid', '-')}"
-            f"{' + levers' if r.get('lever') else ''} | "
-            f"{r['epsilon'] if r['epsilon'] is not None else 'inf'} "
-            f"| {fmt_setting(r['method'], r['setting'])} | "
-            f"{'-' if val is None else f'{100 * val:.2f}'} | {100 * r['accuracy']:.2f} | "
-            f"{_eps(r, 'epsilon_rdp')}{opacus_own(r)} | {_eps(r, 'epsilon_pld')} | "
-            f"{r['sigma']:.3f} | "
-            f"{'-' if r['q'] is None else format(r['q'], '.4f')} | {r['steps']} | "
-            f"{r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
-        )
-    if not finals:
-        lines.append("| (no final run yet) | | | | | | | | | | | | |")
-    lines += [
-        "",
-        "## Published figures (delta = 1e-5)",
-        "",
-        "| model, method | epsilon | test acc | source |",
-        "|---|---|---|---|",
-    ]
-    for model, eps, acc, source in PUBLISHED[dataset]:
-        lines.append(f"| {model} | {eps:g} | {acc} | {source} |")
-    lines += [
-        "",
-        "## Every validation run",
-        "",
-        "TAN R: tuned at expected batch / R with sigma / R and the same steps (the target's "
-        "noise per example); the run's own epsilon is then far above the target, which is "
-        f"given beside it (RDP / PLD of the setting at R = 1 on the {n_fit:,} fit images).",
-        "",
-        "| method | features | setting | TAN R | val acc | epsilon RDP / PLD (this run) | "
-        "target epsilon RDP / PLD | sigma (run / target) | steps | wall / CPU s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in tunes:
-        feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
-        t = r.get("target") or {}
-        if r["method"] == "nonprivate":
-            eps_run, eps_t, sig = "-", "-", "0"
-        else:
-            eps_run = f"{r['epsilon_rdp']:.2f} / {r['epsilon_pld']:.2f}"
-            eps_t = (
-                f"{t.get('epsilon_rdp', r['epsilon_rdp']):.3f} / "
-                f"{t.get('epsilon_pld', r['epsilon_pld']):.3f}"
-            )
-            sig = f"{r['sigma']:.3f} / {t.get('sigma', r['sigma']):.3f}"
-        lines.append(
-            f"| {r['method']} | {feats} | {fmt_setting(r['method'], r['setting'])} | "
-            f"{r.get('tan', 1)} | {100 * r['accuracy']:.2f} | {eps_run} | {eps_t} | {sig} | "
-            f"{r['steps']} | {r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
-        )
-    levers = [r for r in tunes if r.get("lever")]
-    if levers:
-        lines += [
-            "",
-            "## Levers (validation, on each method's best tuned setting)",
-            "",
-            "| method | lever | base setting | val acc base | val acc with lever | change |",
-            "|---|---|---|---|---|---|",
-        ]
-        by_key = {json.dumps(r["setting"], sort_keys=True) + r["method"]: r for r in tunes}
-        for r in levers:
-            base_setting = r.get("base") or {
-                k: v for k, v in r["setting"].items() if k not in r["lever"]
-            }
-            base = by_key.get(json.dumps(base_setting, sort_keys=True) + r["method"])
-            base_acc = None if base is None else base["accuracy"]
-            change = "-" if base_acc is None else f"{100 * (r['accuracy'] - base_acc):+.2f}"
-            lever = ", ".join(f"{k}={v:g}" for k, v in r["lever"].items())
-            lines.append(
-                f"| {r['method']} | {lever} | {fmt_setting(r['method'], base_setting)} | "
-                f"{'-' if base_acc is None else f'{100 * base_acc:.2f}'} | "
-                f"{100 * r['accuracy']:.2f} | "
-                f"{change} |"
-            )
-    total_wall = sum(r["seconds"] for r in records)
-    total_cpu = sum(r["cpu_seconds"] for r in records)
-    lines += [
-        "",
-        f"{len(records)} runs logged ({len(tunes)} tuning, {len(finals)} final): "
-        f"{total_wall / 60:.0f} min wall, {total_cpu / 60:.0f} min CPU in training "
-        "(feature extraction excluded: 1-3 min once per data set, cached).",
-    ]
-    path = Path(out) / f"{dataset}.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,3 +53,12 @@ def test_every_tuning_grid_gives_each_method_the_same_budget():
         sizes = {method: len(settings) for method, settings in grid.items()}
         assert len(set(sizes.values())) == 1, (name, sizes)
         assert set(grid) == set(standard.METHODS), name
+
+
+def test_the_grids_file_is_checked_for_equal_tuning_budgets(tmp_path):
+    text = standard.GRIDS_FILE.read_text()
+    assert standard.load_grids() == standard.GRIDS
+    unequal = text.replace("axes = { epochs = [5, 10], lr = [0.05, 0.1] }", "axes = { epochs = [5] }")
+    (tmp_path / "grids.toml").write_text(unequal)
+    with pytest.raises(ValueError, match="unequal tuning budgets"):
+        standard.load_grids(tmp_path / "grids.toml")

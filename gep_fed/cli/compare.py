@@ -25,7 +25,7 @@ from gep_fed.data.task import stack_examples
 from gep_fed.federation.config import FederationConfig
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.training import OptimizerConfig, train_private
+from gep_fed.training import OptimizerConfig, train_private
 
 MECHANISMS = ("gp", "bgep", "gep")
 MODES = ("central", "client")

@@ -1,6 +1,9 @@
-"""Centralised training loops: private (GEP, B-GEP, GP) and non-private, and evaluation.
+"""Training on one machine: the private loop (``GEPStep`` on the Poisson samples its accounting
+assumes, every step in a ledger) and the non-private baseline, with the hooks experiments
+need: public labels for the anchors, iterate averaging, a callback per step.
 
-Used by benchmarks and as the pooled-data reference a federation is measured against.
+Used by ``gep-fed compare`` (the pooled-data reference a federation is measured against), the
+benchmarks and the simulations. Evaluation is the task's (``gep_fed.data.metrics.evaluate``).
 """
 
 from __future__ import annotations
@@ -39,33 +42,16 @@ class OptimizerConfig:
 
 @dataclass
 class TrainResult:
+    """The final evaluation's accuracy, the run's ledger (None without privacy), and the
+    evaluations along the way."""
+
     accuracy: float
-    epsilon: float | None
+    ledger: PrivacyLedger | None
     history: list[dict] = field(default_factory=list)
 
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> dict:
-    """Accuracy, mean cross-entropy and, for two classes, ROC AUC."""
-    model.eval()
-    logits = torch.cat([model(x[i : i + batch]) for i in range(0, len(x), batch)])
-    model.train()
-    out = {
-        "accuracy": float((logits.argmax(1) == y).float().mean()),
-        "loss": float(F.cross_entropy(logits, y)),
-    }
-    if logits.shape[1] == 2:
-        out["auc"] = roc_auc(logits.softmax(1)[:, 1], y)
-    return out
-
-
-def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (probability a positive outranks a negative; ties count 1/2)."""
-    from sklearn.metrics import roc_auc_score
-
-    if labels.min() == labels.max():
-        return float("nan")
-    return float(roc_auc_score(labels.cpu().numpy(), scores.cpu().numpy()))
+    @property
+    def epsilon(self) -> float | None:
+        return None if self.ledger is None else self.ledger.epsilon()
 
 
 def train_private(
@@ -80,13 +66,24 @@ def train_private(
     delta: float = 1e-5,
     generator: torch.Generator | None = None,
     noise: NoiseSource | None = None,
+    public_labels: torch.Tensor | None = None,
+    average_iterates: float | None = None,
     evaluate_fn: Callable[[nn.Module], dict] | None = None,
     eval_every: int = 0,
+    on_step: Callable[[int, GEPStep], None] | None = None,
     progress: bool = False,
 ) -> TrainResult:
     """``steps`` private steps on Poisson samples of ``(x, y)``; returns the final evaluation.
 
-    ``generator`` drives sampling and public randomness; pass one only in tests and benchmarks.
+    Args:
+        generator: drives sampling and public randomness; pass one only in tests and
+            benchmarks (a known sampling seed voids privacy amplification by sampling).
+        public_labels: the public data's own labels (``anchor_labels="true"``).
+        average_iterates: evaluate an exponential moving average of the parameters with this
+            decay instead of the last iterate (post-processing: no privacy cost).
+        evaluate_fn: ``evaluate_fn(model) -> metrics``, every ``eval_every`` steps (0: at the
+            end only) and at the end; the result's ``accuracy`` is the final one's.
+        on_step: called after each step with the step's index (from 1) and the ``GEPStep``.
     """
     ledger = PrivacyLedger(delta)
     step = GEPStep(
@@ -94,11 +91,17 @@ def train_private(
         public_x,
         config,
         dataset_size=len(x),
+        public_labels=public_labels,
         noise=noise,
         ledger=ledger,
         generator=generator,
     )
     opt, sched = optimizer.make(model, steps)
+    averaged = None
+    if average_iterates is not None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(average_iterates))
     sampler = PoissonSampler(len(x), config.contract.sample_rate, steps, generator=generator)
     history = []
     for i, idx in enumerate(tqdm(sampler, disable=not progress, desc=config.contract.mechanism)):
@@ -106,10 +109,15 @@ def train_private(
         step(x[idx], y[idx])
         opt.step()
         sched.step()
+        if averaged is not None:
+            averaged.update_parameters(model)
+        if on_step is not None:
+            on_step(i + 1, step)
         if evaluate_fn and eval_every and (i + 1) % eval_every == 0:
             history.append({"step": i + 1, **evaluate_fn(model)})
-    final = evaluate_fn(model) if evaluate_fn else {}
-    return TrainResult(final.get("accuracy", float("nan")), ledger.epsilon(), history)
+    final_model = model if averaged is None else averaged.module
+    final = evaluate_fn(final_model) if evaluate_fn else {}
+    return TrainResult(final.get("accuracy", float("nan")), ledger, history)
 
 
 def train_nonprivate(

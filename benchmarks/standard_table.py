@@ -1,0 +1,240 @@
+"""The standard benchmark's tables: its logged runs beside the published figures
+(``benchmarks/standard.py`` writes them; nothing here runs or reads a model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Published figures beside ours (delta = 1e-5 throughout).
+T_AND_B = (
+    'Tramer & Boneh 2021, "Differentially Private Learning Needs Better Features (or Much '
+    'More Data)", ICLR 2021'
+)
+TEMPERED = (
+    'Papernot, Thakurta, Song, Chien & Erlingsson 2021, "Tempered Sigmoid Activations for '
+    'Deep Learning with Differential Privacy", AAAI 2021 (DP-SGD of Abadi et al. 2016), as '
+    "tabulated by Tramer & Boneh 2021"
+)
+PUBLISHED = {
+    "mnist": [
+        ("ScatterNet + linear, DP-SGD", 3.0, 98.7, T_AND_B),
+        (
+            "ScatterNet + linear, DP-SGD",
+            2.0,
+            98.5,
+            T_AND_B + " (the epsilon-2 value as quoted "
+            "in issue #13, read from their privacy-accuracy curves)",
+        ),
+        ("end-to-end tanh CNN, DP-SGD", 3.0, 98.1, TEMPERED),
+    ],
+    "fmnist": [
+        ("ScatterNet + linear, DP-SGD", 3.0, 89.7, T_AND_B),
+        ("end-to-end tanh CNN, DP-SGD", 3.0, 86.0, T_AND_B + "; tanh CNN of " + TEMPERED),
+    ],
+}
+GEP_PAPER = (
+    'Yu, Zhang, Chen, Yin & Liu 2021, "Do not Let Privacy Overbill Utility: Gradient Embedding '
+    'Perturbation for Private Learning", ICLR 2021 (ResNet20 with GroupNorm, ImageNet images '
+    "as anchors; all 50,000 CIFAR-10 training images and the official test set, where we use "
+    "20,000 and batch 5)"
+)
+PUBLISHED["cifar10"] = [
+    ("ScatterNet + linear, DP-SGD", 3.0, 67.0, T_AND_B),
+    ("ScatterNet + CNN, DP-SGD", 3.0, 69.3, T_AND_B),
+    ("end-to-end CNN, DP-SGD", 3.0, 59.2, TEMPERED),
+    ("ResNet20-GN, GP (DP-SGD)", 8.0, 56.4, GEP_PAPER),
+    ("ResNet20-GN, GEP", 8.0, 74.9, GEP_PAPER),
+]
+GOAL_TEXT = {"cifar10": "GEP at least 5 points above tuned DP-SGD (Opacus) at epsilon 8"}
+
+
+def fmt_setting(method: str, s: dict) -> str:
+    parts = [f"B={s['batch']}", f"E={s['epochs']}", f"lr={s['lr']:g}"]
+    if method in ("gp", "opacus"):
+        parts.append(f"S={s['clip']:g}")
+    if method == "gep":
+        parts.append(f"S1={s['clip']:g} S2={s['clip'] * s['s2_ratio']:.3g}")
+    if method == "bgep":
+        parts.append(f"S1={s['clip']:g}")
+    if method in ("gep", "bgep"):
+        parts.append(f"k={s['k']} m={s['anchors']} R={s['refresh']}")
+    if s.get("past"):
+        parts.append(f"past={s['past']}")
+    if s.get("ema"):
+        parts.append(f"EMA={s['ema']:g}")
+    if s.get("warm"):
+        parts.append(f"warm start {s['warm']} public epochs")
+    if s.get("quantile"):
+        parts.append(f"S1,S2=public q{s['quantile']:g}")
+    if s.get("private_quantile"):
+        parts.append(f"S2=private q{s['private_quantile']:g} (count noise B/20, accounted)")
+    return " ".join(parts)
+
+
+def _eps(rec: dict, which: str) -> str:
+    v = rec.get(which)
+    return "-" if v is None else f"{v:.3f}"
+
+
+def opacus_own(rec: dict) -> str:
+    v = rec.get("epsilon_opacus_rdp")
+    return "" if v is None else f" (Opacus' accountant: {v:.3f})"
+
+
+# How each data set's table describes its split and anchors (MNIST's text is the original).
+SPLIT_TEXT = {
+    "cifar10": "Protocol: 16,000 fit / 4,000 validation images carved (seeded) from the 20,000 "
+    "training images of CIFAR-10 binary batches 1-2 for tuning (the split of the library's "
+    "cifar10 task), equal-size grids per method; the chosen setting retrained on all 20,000 "
+    "and tested once on the 10,000 images of binary batch 5 (not the official test batch). ",
+}
+ANCHOR_TEXT = {
+    "cifar10": "GEP/B-GEP anchors: Tiny-ImageNet's 10,000 validation images at 32x32 through "
+    "the same front end, random labels. ScatterNet: kymatio Scattering2D(J=2, L=8) on each "
+    "colour channel of pixels / 255 (243 x 8 x 8), computed ",
+}
+
+
+def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None]) -> str:
+    goal_eps, goal_acc = goal
+    if goal_acc is not None:
+        return f"Goal of issue #13: GEP >= {goal_acc}% at epsilon {goal_eps:g}."
+    text = f"Goal: {GOAL_TEXT[dataset]}."
+    final = {
+        r["method"]: r
+        for r in records
+        if r["stage"] == "final" and r["epsilon"] == goal_eps and r["method"] in ("gep", "opacus")
+    }
+    if len(final) == 2:
+        gap = 100 * (final["gep"]["accuracy"] - final["opacus"]["accuracy"])
+        text += f" Now: GEP - Opacus = {gap:+.2f} points (test, the last final runs logged)."
+    return text
+
+
+def write_table(
+    dataset: str, records: list[dict], info: dict, goal: tuple, log: Path, path: Path
+) -> Path:
+    """The Markdown table of ``dataset``'s logged runs (``records``, from ``log``), with the
+    published figures beside them, written to ``path``. ``info``: the data set's protocol
+    entry (title, sizes); ``goal``: (target epsilon, accuracy to reach or None)."""
+    title = info["title"]
+    split_text = SPLIT_TEXT.get(
+        dataset,
+        "Protocol: 50,000 fit / 10,000 validation images carved (seeded) from "
+        "the 60,000 training images for tuning, equal-size grids per method; the chosen "
+        "setting retrained on all 60,000 and tested once on the official 10,000 test images. ",
+    )
+    anchor_text = ANCHOR_TEXT.get(
+        dataset,
+        "GEP/B-GEP anchors: KMNIST through the same front end, random labels "
+        "unless stated. ScatterNet: kymatio Scattering2D(J=2, L=8) on pixels / 255, computed ",
+    )
+    n_fit = info["n_train"] - info["val_size"]
+    lines = [
+        f"# {title}: GEP against DP-SGD (Opacus) on the standard split",
+        "",
+        "Written by `benchmarks/standard.py` from `" + log.name + "` (every "
+        "run, all sessions). " + split_text + "Poisson sampling at q = 1/ceil(n/B) for every "
+        "private method (Opacus too); sigma calibrated under RDP for the target epsilon, "
+        "delta = 1e-5; epsilon reported under RDP and PLD. " + anchor_text + "once (no "
+        "parameters, no data statistics: no privacy cost), per-example GroupNorm "
+        "(no statistics across examples). Seconds are wall / CPU seconds on a shared 2-core "
+        f"machine, 1 thread. {goal_text(dataset, records, goal)}",
+        "",
+        "## Test accuracy (chosen on validation, tested once)",
+        "",
+        "| method | features | tuning grid | epsilon target | chosen setting | val acc | "
+        "test acc | epsilon RDP | epsilon PLD | sigma | q | steps | train s (wall / CPU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    finals = [r for r in records if r["stage"] == "final"]
+    tunes = [r for r in records if r["stage"] == "tune"]
+    for r in finals:
+        feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
+        val = r.get("chosen_val_accuracy")
+        lines.append(
+            f"| {r['method']} | {feats} | {r.get('grid', '-')}"
+            f"{' + levers' if r.get('lever') else ''} | "
+            f"{r['epsilon'] if r['epsilon'] is not None else 'inf'} "
+            f"| {fmt_setting(r['method'], r['setting'])} | "
+            f"{'-' if val is None else f'{100 * val:.2f}'} | {100 * r['accuracy']:.2f} | "
+            f"{_eps(r, 'epsilon_rdp')}{opacus_own(r)} | {_eps(r, 'epsilon_pld')} | "
+            f"{r['sigma']:.3f} | "
+            f"{'-' if r['q'] is None else format(r['q'], '.4f')} | {r['steps']} | "
+            f"{r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
+        )
+    if not finals:
+        lines.append("| (no final run yet) | | | | | | | | | | | | |")
+    lines += [
+        "",
+        "## Published figures (delta = 1e-5)",
+        "",
+        "| model, method | epsilon | test acc | source |",
+        "|---|---|---|---|",
+    ]
+    for model, eps, acc, source in PUBLISHED[dataset]:
+        lines.append(f"| {model} | {eps:g} | {acc} | {source} |")
+    lines += [
+        "",
+        "## Every validation run",
+        "",
+        "TAN R: tuned at expected batch / R with sigma / R and the same steps (the target's "
+        "noise per example); the run's own epsilon is then far above the target, which is "
+        f"given beside it (RDP / PLD of the setting at R = 1 on the {n_fit:,} fit images).",
+        "",
+        "| method | features | setting | TAN R | val acc | epsilon RDP / PLD (this run) | "
+        "target epsilon RDP / PLD | sigma (run / target) | steps | wall / CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in tunes:
+        feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
+        t = r.get("target") or {}
+        if r["method"] == "nonprivate":
+            eps_run, eps_t, sig = "-", "-", "0"
+        else:
+            eps_run = f"{r['epsilon_rdp']:.2f} / {r['epsilon_pld']:.2f}"
+            eps_t = (
+                f"{t.get('epsilon_rdp', r['epsilon_rdp']):.3f} / "
+                f"{t.get('epsilon_pld', r['epsilon_pld']):.3f}"
+            )
+            sig = f"{r['sigma']:.3f} / {t.get('sigma', r['sigma']):.3f}"
+        lines.append(
+            f"| {r['method']} | {feats} | {fmt_setting(r['method'], r['setting'])} | "
+            f"{r.get('tan', 1)} | {100 * r['accuracy']:.2f} | {eps_run} | {eps_t} | {sig} | "
+            f"{r['steps']} | {r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
+        )
+    levers = [r for r in tunes if r.get("lever")]
+    if levers:
+        lines += [
+            "",
+            "## Levers (validation, on each method's best tuned setting)",
+            "",
+            "| method | lever | base setting | val acc base | val acc with lever | change |",
+            "|---|---|---|---|---|---|",
+        ]
+        by_key = {json.dumps(r["setting"], sort_keys=True) + r["method"]: r for r in tunes}
+        for r in levers:
+            base_setting = r.get("base") or {
+                k: v for k, v in r["setting"].items() if k not in r["lever"]
+            }
+            base = by_key.get(json.dumps(base_setting, sort_keys=True) + r["method"])
+            base_acc = None if base is None else base["accuracy"]
+            change = "-" if base_acc is None else f"{100 * (r['accuracy'] - base_acc):+.2f}"
+            lever = ", ".join(f"{k}={v:g}" for k, v in r["lever"].items())
+            lines.append(
+                f"| {r['method']} | {lever} | {fmt_setting(r['method'], base_setting)} | "
+                f"{'-' if base_acc is None else f'{100 * base_acc:.2f}'} | "
+                f"{100 * r['accuracy']:.2f} | "
+                f"{change} |"
+            )
+    total_wall = sum(r["seconds"] for r in records)
+    total_cpu = sum(r["cpu_seconds"] for r in records)
+    lines += [
+        "",
+        f"{len(records)} runs logged ({len(tunes)} tuning, {len(finals)} final): "
+        f"{total_wall / 60:.0f} min wall, {total_cpu / 60:.0f} min CPU in training "
+        "(feature extraction excluded: 1-3 min once per data set, cached).",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
