@@ -60,7 +60,7 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets():
     "args, message",
     [
         (["simulate", "--mode", "trusted"], "mode must be one of"),
-        (["simulate", "--sample-rate", "2"], "sample_rate must be <= 1"),
+        (["simulate", "--sample-rate", "2"], "sample_rate must be a finite number in (0, 1]"),
         (["simulate", "--noise-multiplier", "lots"], "--noise-multiplier must be a number"),
         (["report", "/nonexistent/run"], "not a gep-fed run directory"),
     ],

@@ -9,6 +9,7 @@ data-dependent text or numbers.
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -561,3 +562,20 @@ def test_new_ledger_creates_a_ledger_only_where_no_key_exists(tmp_path, digits, 
         reply, _ = answer(round_message(server, rnd), fresh, server.cfg)
         assert not reply.has_error()
     assert site_ledger(fresh).steps == 4
+
+
+def test_a_flwr_run_config_leaving_the_model_to_the_task_reaches_the_pinned_site(hospital):
+    """The app's pyproject lists every run-config key as "default": the site resolves the
+    model of its own (already matched) task exactly as the server does."""
+    from flwr.common.config import get_fused_config_from_dir
+
+    root = Path(__file__).parents[1]
+    run_config = get_fused_config_from_dir(root, {"task": "fashion-mnist"})
+    assert run_config["model"] == "default"
+    pinned = {**hospital, "task": "fashion-mnist"}
+    client_app.admit_task(deployed(pinned, run_config), None)  # the task's own: scatter-linear
+    client_app.admit_task(deployed({**pinned, "model": "scatter-linear"}, run_config), None)
+    with pytest.raises(wire.RoundRefused):
+        client_app.admit_task(deployed({**pinned, "model": "cnn"}, run_config), None)
+    with pytest.raises(wire.RoundRefused):
+        client_app.admit_task(deployed(hospital, run_config), None)  # another task

@@ -358,6 +358,16 @@ class FederationConfig:
         return cls.for_task(**kwargs)
 
     @classmethod
+    def resolved_model(cls, task: str, model: object = None) -> str:
+        """The architecture a run of ``task`` trains when given ``model``: as given, or when
+        not given (None, empty or ``"default"``) what ``for_task`` resolves (the task's
+        recommended model, else ``"auto"``). A deployed site resolves its own task's model
+        this way, so the server and the site build the same model."""
+        if model in (None, "", RUN_CONFIG_DEFAULT):
+            return cls.for_task(task).model
+        return cls.for_task(task, model=model).model
+
+    @classmethod
     def run_config_template(cls) -> dict:
         """The ``[tool.flwr.app.config]`` table of an app's ``pyproject.toml``: every key, with
         the default task and ``"default"`` for the rest (pinned by a test)."""

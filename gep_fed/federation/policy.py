@@ -26,7 +26,7 @@ from pathlib import Path
 from gep_fed.accounting.ledger import default_key_path
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
-from gep_fed.federation.config import MODES
+from gep_fed.federation.config import MODES, FederationConfig
 from gep_fed.federation.wire import RoundConfig, RoundRefused
 from gep_fed.validation import DELTA, ConfigError
 
@@ -40,7 +40,8 @@ NODE_CONFIG_KEYS = {
     "site-id": "how the site names itself in its ledger",
     "task": "the task this site trains: a built-in name or 'package.module:Class' (required); "
     "a round whose run config names another task is refused",
-    "model": "the task's architecture at this site (default auto); rounds must match it",
+    "model": "the task's architecture at this site (default: the task's own choice, as a "
+    "run config's default resolves it); rounds must match it",
     "task-data-dir": "where a built-in task reads its fixed data (default ../shared/data)",
     "medmnist-path": "a MedMNIST file for task medmnist",
     "max-chunk": "examples differentiated at once: this site's memory bound (default 128)",
@@ -143,7 +144,7 @@ class SiteConfig:
     site_id: str
     policy: SitePolicy
     task: str = ""
-    model: str = "auto"
+    model: str = ""
     task_data_dir: str = ""
     task_options: Mapping[str, str] = field(default_factory=dict)
     max_chunk: int = 128
@@ -174,7 +175,8 @@ class SiteConfig:
 
     def task_settings(self) -> TaskSettings:
         """The settings the site's own task is built with (from its node config)."""
-        settings = TaskSettings(model=self.model, options=dict(self.task_options))
+        model = FederationConfig.resolved_model(self.task, self.model)
+        settings = TaskSettings(model=model, options=dict(self.task_options))
         if self.task_data_dir:
             settings = replace(settings, data_dir=self.task_data_dir)
         return settings
@@ -239,7 +241,7 @@ class SiteConfig:
             site_id=site_id,
             policy=policy,
             task=get.text("task"),
-            model=get.text("model") or "auto",
+            model=get.text("model"),
             task_data_dir=get.text("task-data-dir"),
             task_options={"medmnist-path": medmnist} if medmnist else {},
             max_chunk=max_chunk or 128,

@@ -100,15 +100,21 @@ def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | 
 
 def admit_task(context: Context, fed: FederationConfig | None) -> None:
     """A deployed site trains only the task (and model) of its own node config: a run config
-    naming another is refused as malformed, by comparing the strings, before anything is
-    imported or read."""
+    naming another task is refused as malformed by comparing the strings, before anything is
+    imported or read. Only then does the site resolve the model of its own task (the run
+    config's and the node config's, each as ``FederationConfig`` resolves a model)."""
     if SiteConfig.is_simulated(context.node_config):
         return
     if fed is not None:
-        requested = fed.task, fed.model
+        task, model = fed.task, fed.model
     else:
-        requested = context.run_config.get("task"), context.run_config.get("model", "auto")
-    pinned = context.node_config.get("task"), context.node_config.get("model", "auto")
+        task, model = context.run_config.get("task"), context.run_config.get("model")
+    pinned_task = context.node_config.get("task")
+    if task == pinned_task:
+        requested = task, FederationConfig.resolved_model(task, model)
+        pinned = task, FederationConfig.resolved_model(task, context.node_config.get("model"))
+    else:
+        requested, pinned = (task, model), (pinned_task, context.node_config.get("model"))
     if requested != pinned:
         log.warning(
             "the run config asks for task %r, model %r; this site's node config pins task %r, "
