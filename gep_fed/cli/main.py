@@ -92,22 +92,58 @@ def _simulate(args: argparse.Namespace) -> int:
     fed = federation_config(args)
     _quiet_logs()
     began = time.perf_counter()
-    result = simulate(fed, progress=True)
+    result = simulate(
+        fed,
+        progress=True,
+        site_data=_site_data(args.site_data),
+        drop_bad_examples=args.drop_bad_examples,
+    )
     wall = time.perf_counter() - began
     report = render_report(result.run_dir)
     _print_summary(fed, result, wall)
     print(f"run directory: {result.run_dir}\nreport:        {report}")
-    return 0 if result.stop_reason is None else 1
+    failures = result.failures()
+    for line in failures:
+        print(f"FAILED: {line}", file=sys.stderr)
+    if failures and args.allow_site_failures:
+        print("(site failures allowed: --allow-site-failures)", file=sys.stderr)
+        failures = []
+    return 0 if result.stop_reason is None and not failures else 1
+
+
+def _site_data(pairs: list[str] | None) -> dict[str, str] | None:
+    """``--site-data NAME=PATH`` options as ``{name: path}`` (None: none given)."""
+    if not pairs:
+        return None
+    out = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--site-data must be NAME=PATH, got {pair!r}")
+        if name in out:
+            raise ConfigError(f"--site-data names site {name!r} twice")
+        out[name] = path
+    return out
 
 
 def _print_summary(fed, result, wall: float) -> None:
-    last = result.metrics[-1] if result.metrics else {}
+    from gep_fed.cli.report import replies_line
+    from gep_fed.flower.simulation import site_line
+
+    rows_run = result.metrics
+    last = rows_run[-1] if rows_run else {}
     print()
     if result.stop_reason:
         print(f"stopped early: {result.stop_reason}")
     rows = [
-        ("test accuracy", f"{last.get('test_accuracy', float('nan')):.4f}"),
-        ("rounds", f"{len(result.metrics)} of {fed.rounds}"),
+        (
+            "test accuracy",
+            f"{last.get('test_accuracy', float('nan')):.4f} (balanced "
+            f"{last.get('test_balanced_accuracy', float('nan')):.4f}, AUROC "
+            f"{last.get('test_auroc', float('nan')):.4f}; majority class "
+            f"{last.get('test_majority_rate', float('nan')):.4f})",
+        ),
+        ("rounds", f"{len(rows_run)} of {fed.rounds}: {replies_line(rows_run)}"),
         ("mode / mechanism", f"{fed.mode} / {fed.mechanism}"),
     ]
     ledger = result.run_dir / "ledger.json"
@@ -129,6 +165,9 @@ def _print_summary(fed, result, wall: float) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+    for site, site_rows in sorted(result.site_rounds.items()):
+        if any(r["outcome"] != "accepted" for r in site_rows):
+            print(f"  {site}: {site_line(site_rows)}")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -314,6 +353,26 @@ def build_parser() -> argparse.ArgumentParser:
         "setting below has a default that needs no download.",
     )
     add_federation_options(sim)
+    sim.add_argument(
+        "--allow-site-failures",
+        action="store_true",
+        help="exit 0 even when a round had no accepted reply or a site was refused in every "
+        "round (the failures are still printed)",
+    )
+    sim.add_argument(
+        "--site-data",
+        action="append",
+        metavar="NAME=PATH",
+        help="a simulated site with its own data (a folder or file the task's site_dataset "
+        "reads, as a deployed site's data-path), named NAME; repeat it for each site. "
+        "Default: shares of the task's pooled data",
+    )
+    sim.add_argument(
+        "--drop-bad-examples",
+        action="store_true",
+        help="run even when a site's data has examples that cannot be read or do not suit "
+        "the task (checked before round 1): they are dropped from every sample",
+    )
     sim.set_defaults(func=_simulate)
 
     cmp = sub.add_parser(

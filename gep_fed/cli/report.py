@@ -6,32 +6,76 @@ from pathlib import Path
 
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory
+from gep_fed.flower.simulation import read_site_rounds, site_line
 
+# (metric keys drawn together, y label, file): the task's metrics on the server's test data
 PLOTS = (
-    ("test_accuracy", "test accuracy", "accuracy.png"),
-    ("epsilon", "epsilon spent (RDP)", "epsilon.png"),
-    ("anchor_projection_error", "projection error on anchors", "projection_error.png"),
+    (
+        ("test_accuracy", "test_balanced_accuracy", "test_auroc"),
+        "the task's metrics (test data)",
+        "accuracy.png",
+    ),
+    (("epsilon",), "epsilon spent (RDP)", "epsilon.png"),
+    (("anchor_projection_error",), "projection error on anchors", "projection_error.png"),
 )
+LABELS = {
+    "test_accuracy": "accuracy",
+    "test_balanced_accuracy": "balanced accuracy",
+    "test_auroc": "AUROC",
+}
 
 
-def _plot(rows: list[dict], key: str, label: str, path: Path) -> bool:
+def _plot(rows: list[dict], keys: tuple[str, ...], label: str, path: Path) -> bool:
+    """One line per key over the rounds; the accuracy plot also draws the majority-class
+    rate, what always predicting the most frequent class scores."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
-    if not points:
+    drawn = False
+    fig, ax = plt.subplots(figsize=(5.5, 3.4), dpi=100)
+    for key in keys:
+        points = [(r["round"], r[key]) for r in rows if _finite(r.get(key))]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=LABELS.get(key, key))
+            drawn = True
+    majority = [r["test_majority_rate"] for r in rows if _finite(r.get("test_majority_rate"))]
+    if drawn and "test_accuracy" in keys and majority:
+        ax.axhline(majority[-1], color="grey", linestyle="--", label="majority class")
+    if not drawn:
+        plt.close(fig)
         return False
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
-    ax.plot(*zip(*points, strict=True), marker="o")
     ax.set_xlabel("round")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
+    if len(keys) > 1:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and value == value and abs(value) != float("inf")
+
+
+def _f(value) -> str:
+    return f"{value:.4f}" if _finite(value) else "-"
+
+
+def replies_line(rows: list[dict]) -> str:
+    """How many rounds had accepted replies from every asked site, from some, from none."""
+    asked = [r.get("sites_asked", r.get("sites_ok", 0)) for r in rows]
+    ok = [r.get("sites_ok", 0) for r in rows]
+    every = sum(o == a and o > 0 for o, a in zip(ok, asked, strict=True))
+    none = sum(o == 0 for o in ok)
+    applied = sum(bool(r.get("applied")) for r in rows)
+    return (
+        f"replies accepted from every site in {every} round(s), from some in "
+        f"{len(rows) - every - none}, from none in {none}; the model was updated in {applied}"
+    )
 
 
 def render_report(run_dir: str | Path) -> Path:
@@ -72,9 +116,13 @@ def render_report(run_dir: str | Path) -> Path:
     if rows:
         last = rows[-1]
         lines.append(
-            f"- final test accuracy {last.get('test_accuracy', float('nan')):.4f} after round "
-            f"{last['round']}"
+            f"- final round {last['round']}: test accuracy {_f(last.get('test_accuracy'))}, "
+            f"balanced accuracy {_f(last.get('test_balanced_accuracy'))}, AUROC "
+            f"{_f(last.get('test_auroc'))}; always predicting the majority class scores "
+            f"{_f(last.get('test_majority_rate'))} (the final round is the result: no round "
+            "is picked on the test data)"
         )
+        lines.append(f"- {replies_line(rows)}")
     if any("site_train_loss_OUTSIDE_PRIVACY_GUARANTEE" in r for r in rows):
         lines.append(
             "- **warning:** sites released raw training losses: those values are "
@@ -82,25 +130,35 @@ def render_report(run_dir: str | Path) -> Path:
         )
     lines += [
         "",
-        "| round | test accuracy | epsilon (RDP) | sites ok | rejected | "
-        "basis bytes / site | seconds |",
-        "|---|---|---|---|---|---|---|",
+        "| round | accuracy | balanced accuracy | AUROC | majority class | epsilon (RDP) | "
+        "sites ok / asked | rejected | basis bytes / site | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         per_site = r.get("basis_bytes_per_site") or [0]
         lines.append(
-            f"| {r['round']} | {r.get('test_accuracy', float('nan')):.4f} | "
-            f"{r['epsilon']:.4f} | "
-            f"{r.get('sites_ok', '')} | {len(r.get('rejected', []))} | {max(per_site)} | "
+            f"| {r['round']} | {_f(r.get('test_accuracy'))} | "
+            f"{_f(r.get('test_balanced_accuracy'))} | {_f(r.get('test_auroc'))} | "
+            f"{_f(r.get('test_majority_rate'))} | {_f(r.get('epsilon'))} | "
+            f"{r.get('sites_ok', '')} / {r.get('sites_asked', '')} | "
+            f"{len(r.get('rejected', []))} | {max(per_site)} | "
             f"{r.get('round_seconds', 0):.1f} |"
         )
     rejected = [(r["round"], why) for r in rows for why in r.get("rejected", [])]
     if rejected:
         lines += ["", "## Rejected replies", ""]
         lines += [f"- round {rnd}: {why}" for rnd, why in rejected]
+    refused = {
+        site: site_rows
+        for site, site_rows in read_site_rounds(run.path).items()
+        if any(r["outcome"] != "accepted" for r in site_rows)
+    }
+    if refused:
+        lines += ["", "## Simulated sites that were refused", ""]
+        lines += [f"- {site}: {site_line(rows_)}" for site, rows_ in sorted(refused.items())]
     lines.append("")
-    for key, label, name in PLOTS:
-        if _plot(rows, key, label, run.file(name)):
+    for keys, label, name in PLOTS:
+        if _plot(rows, keys, label, run.file(name)):
             lines += [f"![{label}]({name})", ""]
     path = run.file(REPORT)
     path.write_text("\n".join(lines))

@@ -511,9 +511,11 @@ class _FolderDataset(ImageDataset):
 
     ``classes``: the class folder names in label order. Declare them: by default they are this
     site's sub-folders in sorted order, so a site lacking one class would number the others
-    differently from its peers. Folders not in a declared list are ignored. In memory: the file
-    paths and their labels. Unless the transform declares ``size`` and ``channels``, every image
-    must match the first file (read from its header, once), whatever order items are read in.
+    differently from its peers. With declared classes a site may lack some (their folders
+    missing or empty: ``missing_classes``). Folders not in a declared list are ignored. In
+    memory: the file paths and their labels. Unless the transform declares ``size`` and
+    ``channels``, every image must match the first file (read from its header, once),
+    whatever order items are read in.
     """
 
     def __init__(self, root, transform, classes, extensions) -> None:
@@ -530,17 +532,25 @@ class _FolderDataset(ImageDataset):
         extensions = tuple(e.lower() for e in extensions)
         self.files: list[Path] = []
         labels: list[int] = []
+        # A site may lack a class (no cases of a rare one): its folder may be missing or
+        # empty. The labels keep the declared numbering, so the site agrees with its peers.
+        self.missing_classes: list[str] = []
         for label, name in enumerate(self.classes):
             folder = self.root / name
-            if not folder.is_dir():
-                raise DataError(f"class folder {folder} (class {label}, {name!r}) does not exist")
-            found = sorted(
-                p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file()
-            )
+            found = []
+            if folder.is_dir():
+                found = sorted(
+                    p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file()
+                )
             if not found:
-                raise DataError(f"class folder {folder} holds no {'/'.join(extensions)} files")
+                self.missing_classes.append(name)
             self.files += found
             labels += [label] * len(found)
+        if not self.files:
+            raise DataError(
+                f"{self.root} holds no {'/'.join(extensions)} files in any class folder "
+                f"({', '.join(self.classes)})"
+            )
         super().__init__(transform, np.asarray(labels, np.int64), len(self.classes))
         self._reference: tuple[Path, tuple[int, int, int]] | None = None
 

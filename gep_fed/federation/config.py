@@ -36,6 +36,14 @@ MODES = ("central", "client")
 BASIS_DTYPES = ("float32", "float16")
 LEARNING_RATE = POSITIVE
 
+def task_class(name: str) -> type[Task]:
+    """``resolve_task``, its errors as ``ConfigError`` (one line each at the CLI)."""
+    try:
+        return resolve_task(name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _opt(default, help_text: str):
     """A dataclass field with its ``--help`` text (what the CLI shows)."""
     return field(default=default, metadata={"help": help_text})
@@ -171,10 +179,7 @@ class FederationConfig:
     max_chunk: int = _opt(128, "examples differentiated at once (memory bound)")
 
     def __post_init__(self) -> None:
-        try:
-            resolve_task(self.task)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        task_class(self.task)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model must be a name, got {self.model!r}")
         check_choice("mode", self.mode, MODES)
@@ -239,10 +244,7 @@ class FederationConfig:
         ``task``'s ``recommended_settings`` (e.g. what won its validation sweep), under
         ``settings`` (snake_case fields). ``task`` None is the default task."""
         task = cls.__dataclass_fields__["task"].default if task is None else task
-        try:
-            recommended = dict(resolve_task(task).recommended_settings)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        recommended = dict(task_class(task).recommended_settings)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(recommended) - known)
         if unknown:
@@ -260,8 +262,13 @@ class FederationConfig:
             seed=self.seed,
             options={"medmnist-path": self.medmnist_path} if self.medmnist_path else {},
         )
+        cls = task_class(self.task)
         try:
-            return resolve_task(self.task)(settings)
+            return cls(settings)
+        except TypeError as err:  # e.g. an abstract method the task does not implement
+            raise ConfigError(
+                f"task {self.task!r} cannot be built: {err} (see docs/tasks.md)"
+            ) from None
         except ValueError as err:
             raise ConfigError(f"task {self.task!r}: {err}") from None
 

@@ -63,6 +63,8 @@ SIMULATION_KEYS = {
     "num-partitions": "number of simulated sites (set by Flower)",
     "noise-seed": "fixes the site's noise (reproducible tests and benchmarks only)",
     "ledger-dir": "folder of the simulated sites' ledgers (default: the run directory)",
+    "site-data": "the simulated sites' own data: {site name: data path}, site i takes the "
+    "i-th (default: shares of the task's pooled data)",
 }
 
 
@@ -208,7 +210,8 @@ class SiteConfig:
             raise ConfigError(f"unknown node config key(s) {unknown}; known: {sorted(allowed)}")
         get = _Reader(settings)
         pid = get.integer("partition-id")
-        site_id = get.text("site-id") or (f"site-{pid}" if simulated else "")
+        own_data = _simulated_site_data(settings.get("site-data"), pid) if simulated else None
+        site_id = get.text("site-id") or (simulated_site_name(settings) if simulated else "")
         if not site_id:
             raise ConfigError("node config needs 'site-id' (how the site names its ledger)")
         if not simulated:
@@ -245,7 +248,7 @@ class SiteConfig:
             task_data_dir=get.text("task-data-dir"),
             task_options={"medmnist-path": medmnist} if medmnist else {},
             max_chunk=max_chunk or 128,
-            data_path=get.text("data-path"),
+            data_path=own_data[1] if own_data else get.text("data-path"),
             partition_id=pid,
             num_partitions=get.integer("num-partitions"),
             ledger_path=ledger,
@@ -255,6 +258,26 @@ class SiteConfig:
             device=device,
             num_workers=get.integer("num-workers") or 0,
         )
+
+
+def simulated_site_name(settings: Mapping[str, object]) -> str:
+    """A simulated site's name: its ``site-data`` entry's, else ``site-<partition-id>``."""
+    own = _simulated_site_data(settings.get("site-data"), settings.get("partition-id"))
+    return own[0] if own else f"site-{settings.get('partition-id')}"
+
+
+def _simulated_site_data(site_data: object, partition_id: int | None) -> tuple[str, str] | None:
+    """(name, path) of simulated site ``partition_id`` in ``site-data``, or None."""
+    if site_data is None:
+        return None
+    if not isinstance(site_data, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in site_data.items()
+    ):
+        raise ConfigError(f"site-data must map site names to data paths, got {site_data!r}")
+    items = list(site_data.items())
+    if partition_id is None or not (0 <= partition_id < len(items)):
+        raise ConfigError(f"partition-id {partition_id} has no entry in site-data ({len(items)})")
+    return items[partition_id]
 
 
 def simulated_site_file() -> dict:

@@ -14,13 +14,15 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.data.metrics import predict
-from gep_fed.data.task import Task, stack_examples
+from gep_fed.data.task import Task, dataset_targets, stack_examples
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import CHECKPOINT, MODEL, RunDirectory
 from gep_fed.federation.site import resolve_device
@@ -40,6 +42,7 @@ from gep_fed.mechanisms.langevin import check_linear
 from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
+from gep_fed.mechanisms.per_example import validate_model
 from gep_fed.mechanisms.step import write_gradient
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
@@ -96,6 +99,7 @@ class FederationServer:
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)  # the initial model (public)
         self.model = task.build_model().to(self.device)
+        validate_model(self.model)  # BatchNorm named, with its fix, before any anchor step
         if cfg.mechanism == "langevin":
             check_linear(self.model)  # before any round: its guarantee needs a convex loss
         self.layout = ParameterLayout.from_model(self.model)
@@ -257,8 +261,17 @@ class FederationServer:
         self._commit(round_)
 
     def evaluate(self) -> dict:
-        """The task's metrics on the server's evaluation data."""
-        return self.task.metrics(*predict(self.model, self.eval_data, device=self.device))
+        """The task's metrics on the server's evaluation data, with the share of its most
+        frequent class (``majority_rate``: what always predicting that class scores)."""
+        metrics = self.task.metrics(*predict(self.model, self.eval_data, device=self.device))
+        return {**metrics, "majority_rate": self.majority_rate}
+
+    @cached_property
+    def majority_rate(self) -> float:
+        targets = np.asarray(dataset_targets(self.eval_data))
+        if targets.ndim != 1 or not len(targets):  # multi-label: no single majority class
+            return float("nan")
+        return float(np.bincount(targets.astype(np.int64)).max() / len(targets))
 
     # -- persistence ---------------------------------------------------------------------
 

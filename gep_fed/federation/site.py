@@ -300,13 +300,22 @@ def site_dataset(
     task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
 ) -> Dataset:
     """The site's private data: its own file (a deployed site, the path from its node
-    config), or its share of the task's pooled data (a simulated site)."""
-    if site.partition_id is None:
+    config; a simulated site given its own data), or its share of the task's pooled data
+    (a simulated site)."""
+    if site.partition_id is None or site.data_path:
         return task.site_dataset(site.data_path)
+    shares = pooled_shares(task, num_sites, partition, alpha, seed)
+    if not (0 <= site.partition_id < len(shares)):
+        raise ConfigError(
+            f"partition-id {site.partition_id} is out of range for {len(shares)} sites"
+        )
+    return shares[site.partition_id]
+
+
+def pooled_shares(
+    task: Task, num_sites: int, partition: str, alpha: float, seed: int
+) -> list[Subset]:
+    """The simulated sites' shares of the task's pooled data (``train_dataset``)."""
     pooled = task.train_dataset()
     parts = partition_indices(dataset_targets(pooled), num_sites, partition, alpha, seed)
-    if not (0 <= site.partition_id < len(parts)):
-        raise ConfigError(
-            f"partition-id {site.partition_id} is out of range for {len(parts)} sites"
-        )
-    return Subset(pooled, parts[site.partition_id].tolist())
+    return [Subset(pooled, part.tolist()) for part in parts]

@@ -10,6 +10,7 @@ detail goes to the site's own log, never to the server.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +37,7 @@ from gep_fed.accounting.ledger import (
 )
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.policy import SiteConfig
+from gep_fed.federation.policy import SiteConfig, simulated_site_name
 from gep_fed.federation.site import Site, resolve_device, site_dataset
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.subspace import AnchorSubspace
@@ -49,6 +50,8 @@ _SITES: dict[tuple[int, int], tuple[Site, SiteConfig]] = {}
 BASIS_ID_KEY = "basis-id"
 LAST_ROUND_KEY = "last-round"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
+# A simulated site's rounds and their outcomes, in its folder of the run directory.
+SITE_ROUNDS = "rounds.jsonl"
 
 
 def _arrays(values: dict) -> ArrayRecord:
@@ -219,17 +222,53 @@ def handle_train(
     simulated site's from the run config. A deployed site takes nothing from either but
     the task's name, which must equal its node config's."""
     try:
-        return _train(msg, context, fed, simulation)
+        reply = _train(msg, context, fed, simulation)
+        _note_simulated_outcome(msg, context, fed, simulation, "accepted", None)
+        return reply
     except wire.RoundRefused as refused:
-        reason = refused.reason
+        reason, cause = refused.reason, None
         log.warning("round refused: %s", reason)
     except (wire.WireError, ConfigError, KeyError) as err:
-        reason = "malformed round"
+        reason, cause = "malformed round", f"{type(err).__name__}: {err}"
         log.warning("round refused as malformed: %s", err)
-    except Exception:
-        reason = "site error"
-        log.exception("round failed at this site (nothing of this is sent to the server)")
+    except Exception as err:
+        reason, cause = "site error", f"{type(err).__name__}: {err}"
+        if SiteConfig.is_simulated(context.node_config):  # its cause goes to the summary
+            log.warning("round failed at this simulated site: %s", cause)
+        else:
+            log.exception("round failed at this site (nothing of this is sent to the server)")
+    _note_simulated_outcome(msg, context, fed, simulation, reason, cause)
     return refusal(msg, reason)
+
+
+def _note_simulated_outcome(
+    msg: Message,
+    context: Context,
+    fed: FederationConfig | None,
+    simulation: Mapping | None,
+    outcome: str,
+    cause: str | None,
+) -> None:
+    """A simulated site's round, with the cause of a refusal, in its folder of the run
+    directory (``sites/<site>/rounds.jsonl``), for the local user who runs every site of a
+    simulation. A deployed site writes nothing of the kind: its detail stays in its log."""
+    node = context.node_config
+    if not SiteConfig.is_simulated(node):
+        return
+    try:
+        fed = fed if fed is not None else FederationConfig.from_record(context.run_config)
+        run_sites = Path(fed.run_directory(context.run_id)) / "sites"
+        folder = Path((simulation or {}).get("ledger-dir") or run_sites)
+        site = str(node.get("site-id") or simulated_site_name({**(simulation or {}), **node}))
+        record = msg.content.config_records.get(wire.ROUND_CONFIG, {})
+        row = {"round": record.get("round"), "node": context.node_id, "outcome": outcome}
+        if cause is not None:
+            row["cause"] = cause
+        (folder / site).mkdir(parents=True, exist_ok=True)
+        with open(folder / site / SITE_ROUNDS, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+    except Exception:  # a diagnostic: never let it change the site's reply
+        log.exception("could not record this simulated site's round")
 
 
 def refusal(msg: Message, reason: str) -> Message:

@@ -2,29 +2,145 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gep_fed.data.formats import DataError
+from gep_fed.data.task import CheckedExamples
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.site import pooled_shares
+from gep_fed.mechanisms.per_example import validate_model
+from gep_fed.validation import ConfigError
 
 
 @dataclass(frozen=True)
 class SimulationResult:
+    """A finished simulation: its run directory, per-round metrics, why it stopped early
+    (None: it ran every round), and each simulated site's rounds (``site_rounds``: site name
+    to ``{"round", "node", "outcome", "cause"}`` rows; the outcome is "accepted" or the
+    refusal's reason, the cause the site's own error text: a simulation's user owns every
+    site, so it may see them)."""
+
     run_dir: Path
     metrics: list[dict]
     stop_reason: str | None
     seconds: float
+    site_rounds: dict[str, list[dict]] = field(default_factory=dict)
+
+    def failures(self) -> list[str]:
+        """One line per problem that makes the run a failure: a round with no accepted
+        reply, a site refused in every round it was asked (with its cause)."""
+        lines = []
+        empty = [r["round"] for r in self.metrics if not r.get("sites_ok")]
+        if empty:
+            lines.append(f"no site's reply was accepted in round(s) {_spans(empty)}")
+        for site, rows in sorted(self.site_rounds.items()):
+            refused = [r for r in rows if r["outcome"] != "accepted"]
+            if rows and len(refused) == len(rows):
+                lines.append(f"{site}: refused in every round ({site_line(rows)})")
+        return lines
 
 
-def simulated_site_settings(fed: FederationConfig) -> dict:
+def _site_check_text(bad: Mapping[str, list[str]], shown: int = 10) -> str:
+    lines = ["the simulated sites' data would lose examples (--drop-bad-examples runs anyway):"]
+    for site, found in sorted(bad.items()):
+        lines.append(f"  {site}: {len(found)} example(s): " + "; ".join(found[:shown]))
+        if len(found) > shown:
+            lines[-1] += f"; ... {len(found) - shown} more"
+    return "\n".join(lines)
+
+
+def site_line(rows: list[dict]) -> str:
+    """A site's refusals in one line: rounds, reason and cause, the most frequent first."""
+    refused = {}
+    for r in rows:
+        if r["outcome"] != "accepted":
+            key = (r["outcome"], r.get("cause") or "")
+            refused.setdefault(key, []).append(r["round"])
+    if not refused:
+        return f"accepted in {len(rows)} round(s)"
+    parts = []
+    for (reason, cause), rounds in sorted(refused.items(), key=lambda kv: -len(kv[1])):
+        parts.append(f"round(s) {_spans(rounds)}: {reason}" + (f": {cause}" if cause else ""))
+    accepted = len(rows) - sum(len(v) for v in refused.values())
+    return "; ".join(parts) + (f"; accepted in {accepted} round(s)" if accepted else "")
+
+
+def _spans(rounds: list) -> str:
+    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
+    values = sorted(r for r in rounds if isinstance(r, int))
+    out, start = [], None
+    for i, r in enumerate(values):
+        if start is None:
+            start = r
+        if i + 1 == len(values) or values[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out) or "?"
+
+
+def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
+    """Every simulated site's rounds, from its folder of the run directory."""
+    from gep_fed.flower.clientapp import SITE_ROUNDS
+
+    out = {}
+    for path in sorted((Path(run_dir) / "sites").glob(f"*/{SITE_ROUNDS}")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out[path.parent.name] = sorted(rows, key=lambda r: (r.get("round") or 0))
+    return out
+
+
+class SiteCheckFailed(ConfigError):
+    """A simulated site's data has examples a run would drop (or none it could use)."""
+
+
+def check_simulated_sites(
+    fed: FederationConfig, site_data: Mapping[str, str] | None = None
+) -> dict[str, list[str]]:
+    """Before round 1, what ``gep-fed site check`` would say of each simulated site: its
+    examples that cannot be read or do not suit the task (``{site: [problem, ...]}``, empty
+    lists for sites without problems). The task's parts the server needs are checked first
+    (its model, BatchNorm refused by name; its evaluation and public data), each failure one
+    ``ConfigError`` line."""
+    task = fed.make_task()
+    model = task.build_model()
+    validate_model(model)
+    for part in ("eval_dataset", "public_dataset"):
+        try:
+            getattr(task, part)()
+        except (NotImplementedError, TypeError) as err:
+            raise ConfigError(f"task {fed.task!r}: {part}() is needed: {err}") from None
+    if site_data:
+        datasets = {name: task.site_dataset(path) for name, path in site_data.items()}
+    else:
+        shares = pooled_shares(task, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed)
+        datasets = {f"site-{i}": share for i, share in enumerate(shares)}
+    problems = {}
+    for name, data in datasets.items():
+        try:
+            checked = CheckedExamples.of(data, task.kind, model)
+        except DataError as err:
+            problems[name] = [f"no usable example: {err}"]
+            continue
+        found = ((i, checked.problem(i)) for i in range(len(checked)))
+        problems[name] = [f"example {i}: {p}" for i, p in found if p is not None]
+    return problems
+
+
+def simulated_site_settings(
+    fed: FederationConfig, site_data: Mapping[str, str] | None = None
+) -> dict:
     """The simulated sites' own settings (node-config keys): the local user runs every site
-    of a simulation, so the sites accept the simulated mode and budget. A deployed site sets
-    these in its node config; nothing here reaches a site through the run config."""
+    of a simulation, so the sites accept the simulated mode and budget; ``site_data`` gives
+    each its own data ({name: path}, site i the i-th). A deployed site sets these in its
+    node config; nothing here reaches a site through the run config."""
     settings = {
         "epsilon-budget": fed.target_epsilon,
         "delta": fed.delta,
@@ -35,6 +151,8 @@ def simulated_site_settings(fed: FederationConfig) -> dict:
     }
     if fed.noise_seed is not None:  # distinct from the server's seed; site i adds i
         settings["noise-seed"] = fed.noise_seed + 1
+    if site_data:
+        settings["site-data"] = dict(site_data)
     return settings
 
 
@@ -43,11 +161,32 @@ def simulate(
     progress: bool = True,
     on_round=None,
     cpus_per_site: float = 1.0,
+    *,
+    site_data: Mapping[str, str] | None = None,
+    drop_bad_examples: bool = False,
 ) -> SimulationResult:
     """Run ``fed`` with ``fed.num_sites`` virtual sites; returns the run directory and metrics.
 
-    A fresh ``run_name`` (time, mode, mechanism) is chosen when ``fed.run_name`` is empty.
+    ``site_data``: the sites' own data, ``{site name: path}`` read by the task's
+    ``site_dataset`` (as a deployed site reads its node config's ``data-path``), instead of
+    shares of the task's pooled data; ``num_sites`` is their number, and in central mode the
+    declared N their total size unless ``total_examples`` says otherwise.
+
+    Before round 1 every site's data is checked (``check_simulated_sites``): a site with
+    examples a run would drop stops the simulation (``SiteCheckFailed``, naming each site and
+    example) unless ``drop_bad_examples``. A fresh ``run_name`` (time, mode, mechanism) is
+    chosen when ``fed.run_name`` is empty.
     """
+    if site_data:
+        fed = replace(fed, num_sites=len(site_data), min_sites=min(fed.min_sites, len(site_data)))
+    problems = check_simulated_sites(fed, site_data)
+    bad = {site: found for site, found in problems.items() if found}
+    if bad and not drop_bad_examples:
+        raise SiteCheckFailed(_site_check_text(bad))
+    if site_data and fed.mode == "central" and fed.total_examples is None:
+        task = fed.make_task()
+        total = sum(len(task.site_dataset(path)) for path in site_data.values())
+        fed = replace(fed, total_examples=total)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -72,7 +211,7 @@ def simulate(
                 server_app=make_server_app(
                     fed, progress, on_round, on_done=lambda strategy: done.update(strategy=strategy)
                 ),
-                client_app=make_client_app(fed, simulated_site_settings(fed)),
+                client_app=make_client_app(fed, simulated_site_settings(fed, site_data)),
                 num_supernodes=fed.num_sites,
                 backend_config={
                     "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
@@ -89,5 +228,9 @@ def simulate(
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")
     run = RunDirectory(fed.run_directory(""))
     return SimulationResult(
-        run.path, run.read_metrics(), strategy.stop_reason, time.perf_counter() - began
+        run.path,
+        run.read_metrics(),
+        strategy.stop_reason,
+        time.perf_counter() - began,
+        read_site_rounds(run.path),
     )

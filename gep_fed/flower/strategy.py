@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -167,13 +168,19 @@ class GEPStrategy(Strategy):
             app = make_client_app()
         """
         run = RunDirectory(fed.run_directory(run_id))
+        fresh = not run.path.exists()
         run.path.mkdir(parents=True, exist_ok=True)
-        task = fed.make_task()
-        total = fed.total_examples
-        if total is None and fed.mode == "central":  # a simulation: the pooled data is the union
-            total = len(task.train_dataset())
-            log.info("total-examples not declared: using the simulation's pooled size N=%d", total)
-        server = FederationServer(fed, task, run, total)
+        try:
+            task = fed.make_task()
+            total = fed.total_examples
+            if total is None and fed.mode == "central":  # a simulation: the pooled data
+                total = len(task.train_dataset())
+                log.info("total-examples not declared: the simulation's pooled size N=%d", total)
+            server = FederationServer(fed, task, run, total)
+        except BaseException:
+            if fresh:  # a run that never started leaves no empty run directory behind
+                shutil.rmtree(run.path, ignore_errors=True)
+            raise
         previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None
         resolved = {
             **fed.to_record(),

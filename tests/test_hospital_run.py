@@ -1,0 +1,110 @@
+"""A hospital's first run (issue 24): failures are loud and named, a simulation can use each
+hospital's own folders, a site may lack a class, the server refuses BatchNorm by name."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from folder_task import BatchNormDigits, write_site_folders
+
+from gep_fed.data.task import TaskSettings
+from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.server import FederationServer
+from gep_fed.flower.simulation import SiteCheckFailed, check_simulated_sites, simulate
+from gep_fed.mechanisms.per_example import IncompatibleModelError
+
+TESTS = Path(__file__).parent
+TASK = "folder_task:FolderDigits"
+
+
+def tiny(tmp_path, **settings) -> FederationConfig:
+    base = dict(
+        task=TASK, rounds=2, local_steps=1, num_basis=8, num_public=100, sample_rate=0.5,
+        noise_seed=1, run_dir=str(tmp_path / "runs"), run_name="r",
+    )
+    return FederationConfig.for_task(**{**base, **settings})
+
+
+def gep_fed(*args, env=None):
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "gep-fed"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS), **(env or {})},
+        timeout=600,
+    )
+
+
+def test_a_site_with_a_corrupt_file_is_reported_before_round_1(tmp_path):
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    victim = sorted(Path(folders["hospital-b"]).rglob("*.png"))[3]
+    victim.write_bytes(victim.read_bytes()[:30])
+    problems = check_simulated_sites(tiny(tmp_path), folders)
+    assert problems["hospital-a"] == []
+    (found,) = problems["hospital-b"]
+    assert str(victim) in found and "cannot be read" in found
+    with pytest.raises(SiteCheckFailed, match=r"hospital-b: 1 example\(s\)"):
+        simulate(tiny(tmp_path), progress=False, site_data=folders)
+    assert not (tmp_path / "runs" / "r").exists()  # nothing started, nothing left behind
+
+
+def test_batchnorm_in_a_users_model_is_refused_by_name_on_the_server(tmp_path):
+    fed = FederationConfig(task="folder_task:BatchNormDigits", num_public=50)
+    run = RunDirectory(tmp_path / "r")
+    run.path.mkdir()
+    with pytest.raises(IncompatibleModelError, match=r"BatchNorm1d.*batchnorm_to_groupnorm"):
+        FederationServer(fed, BatchNormDigits(TaskSettings(num_public=50)), run, None)
+
+
+@pytest.mark.slow
+def test_a_simulation_whose_sites_all_fail_exits_nonzero_with_a_line_per_site(tmp_path):
+    folders = write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
+    for png in Path(tmp_path).rglob("*.png"):
+        png.write_bytes(b"not a png")
+    args = ["simulate", "--task", TASK, "--rounds", "2", "--local-steps", "1", "--num-basis",
+            "8", "--num-public", "100", "--run-dir", str(tmp_path / "runs"), "--run-name", "r"]
+    for name, path in folders.items():
+        args += ["--site-data", f"{name}={path}"]
+    checked = gep_fed(*args)
+    assert checked.returncode == 2  # refused before round 1: every example unreadable
+    lines = [x for x in checked.stderr.splitlines() if x.strip().startswith("hospital-")]
+    assert len(lines) == 2 and all("no usable example" in x for x in lines)
+    ran = gep_fed(*args, "--drop-bad-examples")
+    assert ran.returncode == 1
+    failed = [x for x in ran.stderr.splitlines() if x.startswith("FAILED:")]
+    assert "no site's reply was accepted in round(s) 1-2" in failed[0]
+    for name in folders:
+        (line,) = [x for x in failed if x.startswith(f"FAILED: {name}:")]
+        assert "refused in every round" in line and "site error: DataError" in line
+    (rounds,) = [x for x in ran.stdout.splitlines() if x.strip().startswith("rounds")]
+    assert "2 of 2: replies accepted from every site in 0 round(s)" in rounds
+    assert "from none in 2; the model was updated in 0" in rounds
+
+
+@pytest.mark.slow
+def test_a_simulation_over_per_site_folders_reads_exactly_those_and_a_site_may_lack_a_class(
+    tmp_path, monkeypatch
+):
+    folders = write_site_folders(
+        tmp_path, {"hospital-a": 60, "hospital-b": 60}, lacking={"hospital-b": [3, 7]}
+    )
+    reads = tmp_path / "reads.txt"
+    monkeypatch.setenv("FOLDER_TASK_READS", str(reads))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    for mode in ("client", "central"):
+        reads.write_text("")
+        result = simulate(tiny(tmp_path, mode=mode, run_name=mode), progress=False,
+                          site_data=folders)
+        assert all(r["sites_ok"] == 2 and r["applied"] for r in result.metrics)
+        assert sorted(result.site_rounds) == ["hospital-a", "hospital-b"]
+        read = [Path(line) for line in reads.read_text().splitlines()]
+        roots = {Path(p) for p in folders.values()}
+        assert read and all(any(root in p.parents for root in roots) for p in read)
+        assert {p.parent.parent for p in read} == roots  # both sites' own folders, nothing else
+        ledgers = sorted(p.parent.name for p in result.run_dir.glob("sites/*/ledger.json"))
+        assert ledgers == ["hospital-a", "hospital-b"]
+    assert torch.isfinite(torch.tensor(result.metrics[-1]["test_accuracy"]))
