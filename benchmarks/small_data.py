@@ -1,9 +1,10 @@
 """A recipe that learns on small data (issue 24): a hospital federation with about 1,000
 training images over 3 sites, epsilon 8, chosen on validation, tested once.
 
-Data: PneumoniaMNIST (28 x 28 grey, normal / pneumonia) cut down to ``--train`` training
-images (a seeded subset of its train split); the tuning runs are scored on its validation
-split, the finals on its test split (never used to choose). Tuning: GEP and GP through the
+Data: PneumoniaMNIST (28 x 28 grey, normal / pneumonia; ``--dataset fashion-mnist``: the
+same protocol on Fashion-MNIST) cut down to ``--train`` training images (a seeded subset of
+its train split); the tuning runs are scored on its validation split, the finals on its test
+split (never used to choose). Tuning: GEP and GP through the
 library's training loop on the pooled data (``gep_fed.training.train_private``: the same
 steps and accounting as central mode), equal grids, one seed; the winner of each method then
 runs in real federated simulations (3 sites, central and client-side), beside the
@@ -54,20 +55,40 @@ GRID = {
 }
 
 
-def cut_file(source: Path, train: int, score_on: str, seed: int, folder: Path) -> Path:
-    """A MedMNIST file whose train split is ``train`` seeded images of the source's train
-    split and whose test split is the source's ``score_on`` split (val for tuning)."""
-    data = np.load(source)
-    pick = np.random.default_rng(seed).permutation(len(data["train_labels"]))[:train]
-    arrays = {
-        "train_images": data["train_images"][pick],
-        "train_labels": data["train_labels"][pick],
-        "val_images": data["val_images"],
-        "val_labels": data["val_labels"],
-        "test_images": data[f"{score_on}_images"],
-        "test_labels": data[f"{score_on}_labels"],
+def splits(dataset: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(images, labels) of the data set's train, val and test splits: PneumoniaMNIST's own;
+    Fashion-MNIST's official test set, its validation 2,000 seeded training images."""
+    if dataset == "pneumonia":
+        data = np.load(SHARED_DATA / "medmnist" / "pneumoniamnist.npz")
+        return {s: (data[f"{s}_images"], data[f"{s}_labels"]) for s in ("train", "val", "test")}
+    from gep_fed.data.datasets import load_mnist
+
+    train = load_mnist(SHARED_DATA / "fashion-mnist", "train")
+    test = load_mnist(SHARED_DATA / "fashion-mnist", "test")
+    order = np.random.default_rng(12345).permutation(len(train))
+    val, rest = order[:2000], order[2000:]
+    return {
+        "train": (train.images[rest], train.labels[rest]),
+        "val": (train.images[val], train.labels[val]),
+        "test": (test.images, test.labels),
     }
-    path = folder / f"cut-{train}-{score_on}-{seed}.npz"
+
+
+def cut_file(dataset: str, train: int, score_on: str, seed: int, folder: Path) -> Path:
+    """A MedMNIST-layout file whose train split is ``train`` seeded images of the data set's
+    train split and whose test split is its ``score_on`` split (val for tuning)."""
+    data = splits(dataset)
+    images, labels = data["train"]
+    pick = np.random.default_rng(seed).permutation(len(labels))[:train]
+    arrays = {
+        "train_images": images[pick],
+        "train_labels": labels[pick].reshape(-1, 1),
+        "val_images": data["val"][0],
+        "val_labels": data["val"][1].reshape(-1, 1),
+        "test_images": data[score_on][0],
+        "test_labels": data[score_on][1].reshape(-1, 1),
+    }
+    path = folder / f"{dataset}-cut-{train}-{score_on}-{seed}.npz"
     np.savez(path, **arrays)
     return path
 
@@ -201,7 +222,7 @@ def write_table(args, records: list[dict]) -> Path:
     finals = [r for r in records if r["stage"] == "final"]
     tunes = [r for r in records if r["stage"] == "tune"]
     lines = [
-        f"# Small data: PneumoniaMNIST cut to {args.train} training images, 3 sites, "
+        f"# Small data: {args.dataset} cut to {args.train} training images, 3 sites, "
         f"epsilon {args.epsilon:g}",
         "",
         "Written by `benchmarks/small_data.py`. Tuned on the validation split (the library's "
@@ -239,7 +260,7 @@ def write_table(args, records: list[dict]) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", default="pneumonia", choices=["pneumonia"])
+    ap.add_argument("--dataset", default="pneumonia", choices=["pneumonia", "fashion-mnist"])
     ap.add_argument("--train", type=int, default=1000)
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -248,12 +269,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    source = SHARED_DATA / "medmnist" / "pneumoniamnist.npz"
     folder = Path(tempfile.mkdtemp(prefix="small-data-"))
     records = read_log(args)
     done = {r["key"] for r in records}
     if args.stage in ("tune", "all"):
-        path = cut_file(source, args.train, "val", args.seed, folder)
+        path = cut_file(args.dataset, args.train, "val", args.seed, folder)
         for method in ("gep", "gp"):
             for point in grid_points():
                 key = key_of(args, "tune", method, point)
@@ -266,7 +286,7 @@ def main(argv=None) -> int:
                 print(f"tune {method} {point}: val balanced "
                       f"{100 * record['val_balanced_accuracy']:.2f}", flush=True)
     if args.stage in ("final", "all"):
-        path = cut_file(source, args.train, "test", args.seed, folder)
+        path = cut_file(args.dataset, args.train, "test", args.seed, folder)
         best = winners(records)
         runs = [(m, best[m], mode) for m in ("gep", "gp") for mode in ("central", "client")]
         runs.append(("nonprivate", best["gep"], "central"))

@@ -45,7 +45,7 @@ from gep_fed.data.datasets import load_digits, sample_photo_patches, validation_
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer, beta0_for_epsilon
 from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.mechanisms.training import OptimizerConfig, train_nonprivate, train_private
+from gep_fed.training import OptimizerConfig, train_nonprivate, train_private
 
 FEATURE_NORM = 1.0
 G = math.sqrt(2.0) * FEATURE_NORM  # the largest gradient norm without bias: no clip binds
