@@ -123,3 +123,27 @@ def test_the_recommended_sample_rate_takes_a_whole_number_of_batches_per_epoch()
     for task in (FashionMnistTask, Cifar10Task):
         q = task.recommended_settings["sample_rate"]
         assert math.isclose(1 / q, round(1 / q))
+
+
+def test_a_new_tasks_defaults_are_the_small_data_sweeps_validation_winner():
+    """SMALL_DATA_RECIPE is GEP's best validation setting of benchmarks/small_data.py
+    (PneumoniaMNIST, 1,000 images, epsilon 8), which MedMNIST tasks recommend with its model
+    and every user task gets unless it declares its own."""
+    import json
+
+    from gep_fed.data.builtin_tasks import DigitsTask, MedMnistTask
+    from gep_fed.data.task import SMALL_DATA_RECIPE, Task
+
+    log = Path(__file__).parents[1] / "benchmarks" / "results" / "small_data" / "pneumonia.jsonl"
+    runs = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    tunes = [r for r in runs if r["stage"] == "tune" and r["method"] == "gep"]
+    best = max(tunes, key=lambda r: (r["val_balanced_accuracy"], r["val_accuracy"]))["point"]
+    finals = [r["point"] for r in runs if r["stage"] == "final" and r["method"] == "gep"]
+    assert finals and all(p == best for p in finals)  # the tested setting is the winner
+    recipe = SMALL_DATA_RECIPE
+    assert recipe["sample_rate"] == best["sample_rate"] and recipe["rounds"] == best["steps"]
+    assert recipe["clip_embedding"] == best["clip"] == 2 * recipe["clip_residual"]
+    assert recipe["server_lr"] == pytest.approx(best["lr_times_clip"] / best["clip"])
+    assert MedMnistTask.recommended_settings == {"model": best["model"], **recipe}
+    assert Task.recommended_settings is recipe
+    assert DigitsTask.recommended_settings == {}  # the main job keeps its own defaults

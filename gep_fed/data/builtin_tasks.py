@@ -50,7 +50,13 @@ from gep_fed.data.datasets import (
 )
 from gep_fed.data.formats import Cifar10Dataset, DataError, ImageDataset, ImageTransform, NpzDataset
 from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
-from gep_fed.data.task import ArrayImageDataset, FeatureDataset, Task, TaskSettings
+from gep_fed.data.task import (
+    SMALL_DATA_RECIPE,
+    ArrayImageDataset,
+    FeatureDataset,
+    Task,
+    TaskSettings,
+)
 from gep_fed.mechanisms.contract import (
     DEFAULT_BASIS_REFRESH,
     DEFAULT_CLIP_EMBEDDING,
@@ -86,9 +92,13 @@ def scatter_dataset(
 
 class ArrayTask(Task):
     """A built-in task whose data fit in memory as ``uint8`` arrays (the subclasses load
-    them). ``image_shape`` is ``(H, W)`` or ``(H, W, C)``."""
+    them). ``image_shape`` is ``(H, W)`` or ``(H, W, C)``.
+
+    Digits and MNIST run ``FederationConfig``'s own defaults (those of the README's main
+    job); PneumoniaMNIST / MedMNIST recommend the small-data recipe."""
 
     default_model = "cnn"
+    recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType({})
 
     def __init__(
         self,
@@ -251,7 +261,12 @@ class FashionMnistTask(ArrayTask):
 class MedMnistTask(ArrayTask):
     """A single-label MedMNIST file (option ``medmnist-path``; default PneumoniaMNIST in the
     data folder): train split private, test split for the server, KMNIST or photograph-patch
-    anchors resized to the images."""
+    anchors resized to the images. Recommends ScatterNet + linear with the small-data recipe
+    (``SMALL_DATA_RECIPE``, chosen on PneumoniaMNIST's validation split)."""
+
+    recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType(
+        {"model": "scatter-linear", **SMALL_DATA_RECIPE}
+    )
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
         settings = settings or TaskSettings()
