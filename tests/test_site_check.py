@@ -76,3 +76,14 @@ def test_the_check_finds_a_task_named_by_import_path_in_the_app_folder(tmp_path,
     args = ["site", "check", "--node-config", node_config_string(config)]
     assert main(args) == 1  # not importable from here
     assert main([*args, "--app-dir", str(app)]) == 0
+
+
+def test_the_check_says_which_declared_classes_a_site_lacks_and_passes_it(tmp_path):
+    from folder_task import write_site_folders
+
+    folders = write_site_folders(tmp_path, {"h1": 40}, lacking={"h1": [3, 7]})
+    config = {**site(tmp_path / "s"), "task": "folder_task:FolderDigits"}
+    config["data-path"] = folders["h1"]
+    result = check_site(config)
+    assert result.ok and result.missing_classes == ("3", "7")
+    assert any("no example of class(es) 3, 7" in line for line in result.lines())

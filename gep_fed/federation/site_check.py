@@ -35,6 +35,7 @@ class SiteCheck:
     site_id: str = ""
     task: str = ""
     examples: int = 0
+    missing_classes: tuple[str, ...] = ()
     problems: tuple[tuple[int, str], ...] = ()
     ledger: str = ""
     errors: tuple[str, ...] = field(default_factory=tuple)
@@ -47,6 +48,11 @@ class SiteCheck:
         out = [f"site {self.site_id or '?'}: task {self.task or '?'}"]
         if self.examples:
             out.append(f"  {self.examples} example(s) read, {len(self.problems)} with problems")
+        if self.missing_classes:
+            out.append(
+                f"  no example of class(es) {', '.join(self.missing_classes)}: fine, the site "
+                "trains on the others (the labels keep the declared numbering)"
+            )
         for index, problem in self.problems[:shown]:
             out.append(f"  example {index}: {problem}")
         if len(self.problems) > shown:
@@ -73,7 +79,8 @@ def check_site(
         task = cfg.make_task()
         model = task.build_model()
         validate_model(model)
-        checked = CheckedExamples.of(task.site_dataset(cfg.data_path), task.kind, model)
+        data = task.site_dataset(cfg.data_path)
+        checked = CheckedExamples.of(data, task.kind, model)
     except (ConfigError, DataError, IncompatibleModelError, OSError, ValueError) as err:
         return SiteCheck(**found, errors=(f"{type(err).__name__}: {err}",))
     problems = []
@@ -110,6 +117,7 @@ def check_site(
     return SiteCheck(
         **found,
         examples=len(checked),
+        missing_classes=tuple(getattr(data, "missing_classes", ())),
         problems=tuple(problems),
         ledger=ledger,
         errors=tuple(errors),
