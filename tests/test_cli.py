@@ -108,3 +108,19 @@ def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["epsilon"] == pytest.approx(largest)
     assert "only the sites' own ledgers hold it" in (run_dir / "report.md").read_text()
+
+
+def test_compare_gives_every_mode_the_same_private_steps_by_default():
+    """Issue 22: at equal rounds client mode took local_steps times the steps of central
+    mode (digits: 100 against 10), which read as if central mode were worse."""
+    from gep_fed.cli.compare import matrix
+    from gep_fed.federation.config import FederationConfig
+
+    base = FederationConfig(rounds=10, local_steps=10)
+    runs = matrix(base, [2.0])
+    steps = {(label, fed.mode): fed.steps_per_party for label, fed in runs}
+    private = {k: v for k, v in steps.items() if not k[0].startswith("FedAvg")}
+    assert set(private.values()) == {100}
+    by_rounds = matrix(base, [2.0], equal="rounds")
+    assert {fed.rounds for _, fed in by_rounds} == {10}
+    assert {fed.steps_per_party for _, fed in by_rounds if fed.mode == "central"} == {10}

@@ -31,8 +31,25 @@ MECHANISMS = ("gp", "bgep", "gep")
 MODES = ("central", "client")
 
 
-def matrix(base: FederationConfig, epsilons: list[float]) -> list[tuple[str, FederationConfig]]:
-    """(label, config) for every federated run of the comparison."""
+EQUAL = ("steps", "rounds")
+
+
+def matrix(
+    base: FederationConfig, epsilons: list[float], equal: str = "steps"
+) -> list[tuple[str, FederationConfig]]:
+    """(label, config) for every federated run of the comparison.
+
+    ``equal="steps"`` (default) gives every mode the same number of private steps per party:
+    central mode takes ``rounds * local_steps`` rounds of one step, as client mode takes
+    ``rounds`` of ``local_steps``. ``"rounds"`` runs both for ``rounds`` rounds (then client
+    mode takes ``local_steps`` times the steps, and reads as better for it)."""
+    if equal not in EQUAL:
+        raise ValueError(f"equal must be one of {EQUAL}, got {equal!r}")
+
+    def of_mode(fed: FederationConfig, mode: str) -> FederationConfig:
+        rounds = base.rounds * base.local_steps if mode == "central" and equal == "steps" else None
+        return replace(fed, mode=mode, rounds=rounds or base.rounds)
+
     runs = [
         (
             "FedAvg (non-private, clipped)",
@@ -42,26 +59,23 @@ def matrix(base: FederationConfig, epsilons: list[float]) -> list[tuple[str, Fed
     for eps in epsilons:
         for mode in MODES:
             for mech in MECHANISMS:
-                runs.append(
-                    (
-                        f"{mech.upper()} {mode}",
-                        replace(
-                            base,
-                            mode=mode,
-                            mechanism=mech,
-                            target_epsilon=eps,
-                            noise_multiplier=None,
-                            run_name="",
-                        ),
-                    )
+                fed = replace(
+                    base, mechanism=mech, target_epsilon=eps, noise_multiplier=None, run_name=""
                 )
+                runs.append((f"{mech.upper()} {mode}", of_mode(fed, mode)))
     return runs
 
 
-def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
-    """GEP or GP on the pooled data on one machine, accounted like central mode."""
+def centralised(base: FederationConfig, mechanism: str, eps: float, rounds: int) -> dict:
+    """GEP or GP on the pooled data on one machine, accounted like central mode of
+    ``rounds`` rounds (one step each)."""
     fed = replace(
-        base, mode="central", mechanism=mechanism, target_epsilon=eps, noise_multiplier=None
+        base,
+        mode="central",
+        mechanism=mechanism,
+        target_epsilon=eps,
+        noise_multiplier=None,
+        rounds=rounds,
     )
     task = fed.make_task()
     torch.manual_seed(fed.seed)
@@ -88,6 +102,7 @@ def centralised(base: FederationConfig, mechanism: str, eps: float) -> dict:
         "test_accuracy": final["accuracy"],
         "test_auc": final.get("auroc"),
         "epsilon": result.epsilon,
+        "steps": fed.rounds,
         "seconds": time.perf_counter() - began,
     }
 
@@ -98,13 +113,15 @@ def run_comparison(
     out_dir: str | Path = "comparisons",
     central_reference: bool = True,
     name: str | None = None,
+    equal: str = "steps",
 ) -> str:
-    """Run the matrix; write ``<out>/<name>.md``, ``.json`` and ``.png``; return the table."""
+    """Run the matrix (``matrix``: modes at equal private steps by default); write
+    ``<out>/<name>.md``, ``.json`` and ``.png``; return the table."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-{base.task}"
     rows = []
-    runs = matrix(base, epsilons)
+    runs = matrix(base, epsilons, equal)
     for i, (label, fed) in enumerate(runs, 1):
         eps = None if fed.noise_multiplier == 0 else fed.target_epsilon
         print(f"[{i}/{len(runs)}] {label} epsilon={eps}", file=sys.stderr, flush=True)
@@ -123,6 +140,7 @@ def run_comparison(
                 "test_auc": last.get("test_auroc"),
                 "epsilon_spent": last.get("epsilon"),
                 "rounds": len(res.metrics),
+                "steps": len(res.metrics) * (1 if fed.mode == "central" else fed.local_steps),
                 "seconds": res.seconds,
                 "run_dir": str(res.run_dir),
             }
@@ -131,7 +149,8 @@ def run_comparison(
         for eps in epsilons:
             for mech in ("gp", "gep"):
                 print(f"[ref] centralised {mech} epsilon={eps}", file=sys.stderr, flush=True)
-                ref = centralised(base, mech, eps)
+                central = next(f for _, f in runs if f.mode == "central")
+                ref = centralised(base, mech, eps, central.rounds)
                 rows.append(
                     {
                         "setup": f"{mech.upper()} centralised (pooled data)",
@@ -139,7 +158,8 @@ def run_comparison(
                         "test_accuracy": ref["test_accuracy"],
                         "test_auc": ref["test_auc"],
                         "epsilon_spent": ref["epsilon"],
-                        "rounds": base.rounds,
+                        "rounds": ref["steps"],
+                        "steps": ref["steps"],
                         "seconds": ref["seconds"],
                         "run_dir": "",
                     }
@@ -163,14 +183,15 @@ def _table(base: FederationConfig, rows: list[dict]) -> str:
         f"# Comparison: task {base.task}, {base.num_sites} sites ({base.partition}"
         f"{f', alpha={base.dirichlet_alpha}' if base.partition == 'dirichlet' else ''}), "
         f"{base.rounds} rounds, q={base.sample_rate}, delta={base.delta}, "
-        f"local steps {base.local_steps} (client mode), k={base.num_basis}\n\n"
+        f"local steps {base.local_steps} (client mode), k={base.num_basis}; modes compared "
+        "at the private steps of the table's column\n\n"
     )
     cols = (
         "| setup | epsilon | test accuracy |"
         + (" test AUC |" if auc else "")
-        + " epsilon spent | rounds | seconds |\n"
+        + " epsilon spent | rounds | private steps | seconds |\n"
     )
-    sep = "|---|---|---|" + ("---|" if auc else "") + "---|---|---|\n"
+    sep = "|---|---|---|" + ("---|" if auc else "") + "---|---|---|---|\n"
     lines = []
     for r in rows:
         eps = "inf" if r["epsilon"] is None else f"{r['epsilon']:g}"
@@ -178,7 +199,7 @@ def _table(base: FederationConfig, rows: list[dict]) -> str:
         lines.append(
             f"| {r['setup']} | {eps} | {_fmt(r['test_accuracy'])} |"
             + (f" {_fmt(r['test_auc'])} |" if auc else "")
-            + f" {spent} | {r['rounds']} | {r['seconds']:.0f} |"
+            + f" {spent} | {r['rounds']} | {r.get('steps', '-')} | {r['seconds']:.0f} |"
         )
     return head + cols + sep + "\n".join(lines) + "\n"
 

@@ -331,7 +331,11 @@ def _compare(args: argparse.Namespace) -> int:
     _quiet_logs()
     base = federation_config(args)
     table = run_comparison(
-        base, epsilons=args.epsilons, out_dir=args.out, central_reference=not args.no_reference
+        base,
+        epsilons=args.epsilons,
+        out_dir=args.out,
+        central_reference=not args.no_reference,
+        equal=args.equal,
     )
     print(table)
     return 0
@@ -390,6 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="privacy budgets to compare (default: 2 8)",
     )
     cmp.add_argument("--out", default="comparisons", help="where the table and plot go")
+    cmp.add_argument(
+        "--equal",
+        choices=["steps", "rounds"],
+        default="steps",
+        help="compare the modes at equal private steps per party (default: central mode runs "
+        "rounds x local-steps rounds of one step) or at equal rounds",
+    )
     cmp.add_argument(
         "--no-reference",
         action="store_true",
