@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 
 from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
@@ -24,3 +33,51 @@ def random_subspace(layout: ParameterLayout, dims, generator=None) -> AnchorSubs
         for g, k in zip(layout.groups, dims, strict=True)
     )
     return AnchorSubspace(layout, bases)
+
+
+BIN = Path(sys.executable).parent
+
+
+@contextmanager
+def simulation_superlink(tmp_path: Path):
+    """A SuperLink with the simulation runtime on a free port; yields the CLI's environment."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "flwr"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\n'
+        "insecure = true\n"
+    )
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    log_path = tmp_path / "superlink.log"
+    with log_path.open("w") as log:
+        link = subprocess.Popen(
+            [
+                str(BIN / "flower-superlink"),
+                "--simulation",
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            for _ in range(60):
+                if "Uvicorn running" in log_path.read_text():
+                    break
+                time.sleep(1)
+            yield env
+        finally:
+            os.killpg(link.pid, signal.SIGKILL)
+            link.wait(timeout=30)

@@ -3,14 +3,8 @@
 ``flwr run`` on a simulation SuperLink."""
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import textwrap
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.flower import GEPStrategy
-
-BIN = Path(sys.executable).parent
+from helpers import BIN, simulation_superlink
 
 TINY = dict(num_public=200, num_basis=10, sample_rate=0.2, rounds=2, local_steps=1)
 
@@ -238,51 +231,6 @@ def write_app(root: Path, run_dir: Path) -> None:
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
-
-
-@contextmanager
-def simulation_superlink(tmp_path: Path):
-    """A SuperLink with the simulation runtime on a free port; yields the CLI's environment."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    home = tmp_path / "flwr"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\n'
-        "insecure = true\n"
-    )
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    log_path = tmp_path / "superlink.log"
-    with log_path.open("w") as log:
-        link = subprocess.Popen(
-            [
-                str(BIN / "flower-superlink"),
-                "--simulation",
-                "--insecure",
-                "--disable-runtime-dependency-installation",
-                "--port",
-                str(port),
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            for _ in range(60):
-                if "Uvicorn running" in log_path.read_text():
-                    break
-                time.sleep(1)
-            yield env
-        finally:
-            os.killpg(link.pid, signal.SIGKILL)
-            link.wait(timeout=30)
 
 
 @pytest.mark.slow

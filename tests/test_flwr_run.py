@@ -1,11 +1,6 @@
 """`flwr run .` on a Flower simulation SuperLink: the app as Flower's own CLI runs it."""
 
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,49 +8,15 @@ import pytest
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
+from helpers import BIN, simulation_superlink
 
 ROOT = Path(__file__).parents[1]
-BIN = Path(sys.executable).parent
 
 pytestmark = pytest.mark.slow  # `flwr run` on a simulation SuperLink
 
 
 def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    home = tmp_path / "flwr"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\n'
-        "insecure = true\n"
-    )
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "PATH": f"{BIN}:{os.environ['PATH']}",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    log = (tmp_path / "superlink.log").open("w")  # closed in the finally below
-    link = subprocess.Popen(
-        [
-            str(BIN / "flower-superlink"),
-            "--simulation",
-            "--insecure",
-            "--disable-runtime-dependency-installation",
-            "--port",
-            str(port),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        for _ in range(60):
-            if "Uvicorn running" in (tmp_path / "superlink.log").read_text():
-                break
-            time.sleep(1)
+    with simulation_superlink(tmp_path) as env:
         run = subprocess.run(
             [
                 str(BIN / "flwr"),
@@ -75,10 +36,6 @@ def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):
             timeout=600,
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    finally:
-        os.killpg(link.pid, signal.SIGKILL)
-        link.wait(timeout=30)
-        log.close()
     out = RunDirectory.open(tmp_path / "runs" / "r")
     assert [r["round"] for r in out.read_metrics()] == [1, 2]
     # the settings flwr run resolved are the library's (and gep-fed simulate's) for these inputs

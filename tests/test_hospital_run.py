@@ -108,3 +108,21 @@ def test_a_simulation_over_per_site_folders_reads_exactly_those_and_a_site_may_l
         ledgers = sorted(p.parent.name for p in result.run_dir.glob("sites/*/ledger.json"))
         assert ledgers == ["hospital-a", "hospital-b"]
     assert torch.isfinite(torch.tensor(result.metrics[-1]["test_accuracy"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "folder_task:NoEvaluation"], "eval_dataset() is needed"),
+        (["--task", "folder_task:Nope"], "module 'folder_task' has no class 'Nope'"),
+        (["--task", "folder_task:BatchNormDigits"], "batchnorm_to_groupnorm"),
+        (["--site-data", "nameless"], "--site-data must be NAME=PATH"),
+    ],
+    ids=["no-eval-data", "misspelt-class", "batchnorm", "bad-site-data"],
+)
+def test_each_new_cli_error_is_one_line_and_leaves_no_run_directory(tmp_path, args, message):
+    done = gep_fed("simulate", *args, "--run-dir", str(tmp_path / "runs"))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and message in done.stderr
+    assert not (tmp_path / "runs").exists()
