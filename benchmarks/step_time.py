@@ -1,4 +1,7 @@
-"""Step time and peak memory of a private step: GEP, GP (ours), Opacus DP-SGD, non-private.
+"""Step time and peak memory of a private step: GEP, B-GEP, GP (ours), Opacus DP-SGD, non-private.
+
+Our methods run on the layer engine (per-example gradients from layer rules, the default);
+``gp_vmap`` and ``gep_vmap`` are the same steps on the ``torch.func`` engine, for comparison.
 
 Timings are interleaved round-robin in one process and reported as medians and ratios (these
 machines are noisy; ratios measured together are what to compare). Peak memory is measured
@@ -38,7 +41,8 @@ from gep_fed import GEPConfig, PrivacyContract
 from gep_fed.data.models import MnistCNN, resnet20_gn
 from gep_fed.mechanisms.anchors import compute_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
-from gep_fed.mechanisms.mechanism import GEP, GP
+from gep_fed.mechanisms.layer_gradients import layer_engines
+from gep_fed.mechanisms.mechanism import BGEP, GEP, GP
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.per_example import batchnorm_to_groupnorm, per_example_gradients
 from gep_fed.mechanisms.subspace import AnchorSubspace
@@ -107,7 +111,7 @@ SETUPS = {
     ),
     "resnet18": (resnet18_gn, (3, 64, 64), 32, 500, _resnet18_groups()),
 }
-METHODS = ("nonprivate", "gp", "opacus", "opacus_ghost", "gep")
+METHODS = ("nonprivate", "gp", "gp_vmap", "opacus", "opacus_ghost", "gep", "gep_vmap", "bgep")
 
 
 def _sync(device):
@@ -166,10 +170,10 @@ def make_steps(
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     params = dict(model.named_parameters())
 
-    def private(mech):
+    def private(mech, engine="layers"):
         def step():
-            grads = per_example_gradients(model, F.cross_entropy, x, y, layout, max_chunk)
-            noisy = mech.add_noise(mech.clipped_sums(grads, subspace), 1.0, noise)
+            grads = per_example_gradients(model, F.cross_entropy, x, y, layout, max_chunk, engine)
+            noisy = mech.add_noise(mech.clipped_sums(grads, subspace), noise)
             flat = mech.reconstruct(noisy, subspace, len(x))
             for name, value in layout.unflatten(flat).items():
                 params[name].grad = value
@@ -182,7 +186,15 @@ def make_steps(
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-    steps = {"nonprivate": nonprivate, "gp": private(GP(1.0)), "gep": private(GEP(1.0, 0.2))}
+    gp, gep = GP(1.0, noise_multiplier=1.0), GEP(1.0, 0.2, noise_multiplier=1.0)
+    steps = {
+        "nonprivate": nonprivate,
+        "gp": private(gp),
+        "gp_vmap": private(gp, "vmap"),
+        "gep": private(gep),
+        "gep_vmap": private(gep, "vmap"),
+        "bgep": private(BGEP(1.0, noise_multiplier=1.0)),
+    }
     steps["opacus"] = _opacus_step(setup, device, x, y)
     failures = {}
     try:
@@ -372,6 +384,8 @@ def section(setup, args, result, failures) -> list[str]:
         "",
         f"Anchor subspace per refresh: {anchor_s:.2f} s ({anchor_s / times['gep']:.1f} GEP steps)",
     ]
+    served = ", ".join(f"{how} x {n}" for how, n in sorted(result["engines"].items()))
+    lines.append(f"\nLayer engine, per layer with parameters: {served}.")
     for m, why in failures.items():
         lines.append(f"\n{m} did not run: {why}")
     lines.append("")
@@ -420,7 +434,11 @@ def main(argv=None) -> int:
         mem = {m: v[0] for m, v in both.items()}
         mem_state = {m: v[1] for m, v in both.items()}
         _, shape, batch, k, groups = SETUPS[setup]
-        layout = ParameterLayout.from_model(SETUPS[setup][0](), groups)
+        model = SETUPS[setup][0]()
+        layout = ParameterLayout.from_model(model, groups)
+        engines = {}
+        for how in layer_engines(model, torch.randn(batch, *shape)).values():
+            engines[how] = engines.get(how, 0) + 1
         dims = layout.allocate_basis(k, max_rank=args.num_anchors)
         basis_mib = 4 * sum(g.size * d for g, d in zip(layout.groups, dims, strict=True)) / 2**20
         results[setup] = {
@@ -442,6 +460,7 @@ def main(argv=None) -> int:
             "peak_mib_with_state": mem_state,
             "anchor_seconds_per_refresh": anchor_s,
             "failures": failures,
+            "engines": engines,
         }
         lines += section(setup, args, results[setup], failures)
     wall = time.perf_counter() - began

@@ -41,8 +41,8 @@ class AnchorResult:
 class _AnchorGradients:
     """Anchor-gradient chunks, cached in memory when they fit, else recomputed per pass."""
 
-    def __init__(self, model, loss_fn, inputs, labels, layout, max_chunk, cache_bytes):
-        self._args = (model, loss_fn, layout)
+    def __init__(self, model, loss_fn, inputs, labels, layout, max_chunk, engine, cache_bytes):
+        self._args = (model, loss_fn, layout, engine)
         self._inputs, self._labels, self._max_chunk = inputs, labels, max_chunk
         self._cache: list[torch.Tensor] | None = (
             [] if inputs.shape[0] * layout.size * 4 <= cache_bytes else None
@@ -53,7 +53,7 @@ class _AnchorGradients:
         if self._complete:
             yield from self._cache
             return
-        model, loss_fn, layout = self._args
+        model, loss_fn, layout, engine = self._args
         for start in range(0, self._inputs.shape[0], self._max_chunk):
             stop = start + self._max_chunk
             chunk = per_example_gradients(
@@ -63,6 +63,7 @@ class _AnchorGradients:
                 self._labels[start:stop],
                 layout,
                 self._max_chunk,
+                engine,
             )
             if self._cache is not None:
                 self._cache.append(chunk)
@@ -134,6 +135,7 @@ def compute_anchor_subspace(
         labels,
         layout,
         config.max_chunk,
+        config.engine,
         config.anchor_cache_mb * 2**20,
     )
     dims = layout.allocate_basis(config.num_basis, max_rank=m)

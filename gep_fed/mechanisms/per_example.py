@@ -1,25 +1,34 @@
-"""Per-example gradients with ``torch.func``, in chunks of bounded size.
+"""Per-example gradients, in chunks of bounded size, by one of two engines.
 
 Differential privacy bounds each example's influence, so every private gradient must be
-computed per example before it is clipped. ``torch.func.vmap(grad(...))`` does this in one
-batched pass for any model whose forward treats examples independently.
+computed per example before it is clipped. The layer engine (``layer_gradients``) gets them
+from one batched backward pass and each layer's rule; ``torch.func.vmap(grad(...))`` serves any
+model whose forward treats examples independently, and serves the models the layer engine
+cannot (a hooked layer's output modified in place). Both give the same matrix, up to float
+rounding; the clip bounds are computed on whichever matrix is used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+import weakref
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.layer_gradients import LayerEngineUnavailable, LossFn, layer_gradients
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ENGINES = ("layers", "vmap")
 
 # Layers whose output for one example depends on the other examples of the batch (or that
 # update running statistics from the whole batch): per-example gradients do not exist for them.
 _CROSS_EXAMPLE_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+
+
+# Models the layer engine refused once (the reason was warned then): served by torch.func.
+_UNHOOKABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class IncompatibleModelError(ValueError):
@@ -74,6 +83,7 @@ def per_example_gradients(
     targets: torch.Tensor,
     layout: ParameterLayout,
     max_chunk: int = 128,
+    engine: str = "layers",
 ) -> torch.Tensor:
     """Return the ``(batch, p)`` matrix of per-example gradients, columns in ``layout`` order.
 
@@ -85,9 +95,13 @@ def per_example_gradients(
         layout: which parameters, and in which order, form the flattened gradient.
         max_chunk: at most this many examples are differentiated at once, bounding peak memory
             to roughly ``max_chunk`` times the memory of one backward pass.
+        engine: "layers" (layer rules, ``torch.func`` for layers without one; the whole model
+            goes to "vmap" when its layers cannot be hooked) or "vmap" (``torch.func`` only).
     """
     if max_chunk < 1:
         raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     params = {name: p.detach() for name, p in model.named_parameters() if name in layout.index}
     frozen = {name: p.detach() for name, p in model.named_parameters() if name not in params}
     buffers = {name: b for name, b in model.named_buffers()}
@@ -104,6 +118,17 @@ def per_example_gradients(
     grad_fn = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
     for start in range(0, inputs.shape[0], max_chunk):
         stop = min(start + max_chunk, inputs.shape[0])
+        if engine == "layers" and model not in _UNHOOKABLE:
+            try:
+                layer_gradients(
+                    model, loss_fn, inputs[start:stop], targets[start:stop], layout, out[start:stop]
+                )
+                continue
+            except LayerEngineUnavailable as err:
+                _UNHOOKABLE.add(model)
+                warnings.warn(
+                    f"per-example gradients by torch.func for this model: {err}", stacklevel=2
+                )
         grads = grad_fn(params, inputs[start:stop], targets[start:stop])
         chunk = out[start:stop]
         for name, cols in layout.slices():

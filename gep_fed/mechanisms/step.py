@@ -162,6 +162,7 @@ class GEPStep:
             targets.to(device),
             self.layout,
             self.config.max_chunk,
+            self.config.engine,
         )
         return self.subspace.projection_error(grads)
 
@@ -178,6 +179,7 @@ class GEPStep:
             self.subspace,
             self.config.max_chunk,
             extra,
+            self.config.engine,
         )
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
@@ -311,6 +313,7 @@ def clipped_sums_of_batches(
     subspace: AnchorSubspace | None,
     max_chunk: int = 128,
     extra_rows: torch.Tensor | None = None,
+    engine: str = "layers",
 ) -> ClippedSums:
     """Clip every example's gradient and sum, one batch at a time, on the model's device.
 
@@ -319,7 +322,7 @@ def clipped_sums_of_batches(
     carry a third tensor, ``valid``: its invalid rows (examples that failed their checks)
     are dropped like non-finite gradients, with clip factor 0. ``extra_rows`` are
     per-example gradients added as they are (a release observer's). An empty sample gives zero
-    sums of the right shapes."""
+    sums of the right shapes. ``engine``: see ``per_example_gradients``."""
     device = next(p for p in model.parameters() if p.requires_grad).device
     total = None
     for inputs, targets, *valid in batches:
@@ -330,6 +333,7 @@ def clipped_sums_of_batches(
             targets.to(device, non_blocking=True),
             layout,
             max_chunk,
+            engine,
         )
         if valid:
             invalid = ~valid[0].to(device=device, dtype=torch.bool)

@@ -12,6 +12,7 @@ from gep_fed.mechanisms.contract import (
     MECHANISMS,
     PrivacyContract,
 )
+from gep_fed.mechanisms.per_example import ENGINES
 from gep_fed.validation import (
     AT_LEAST_ONE,
     POSITIVE,
@@ -62,6 +63,10 @@ class GEPConfig:
             dimensions per group to the ``num_basis`` public ones (0: public anchors only).
             Single-machine ``GEPStep`` only; a federation's subspace is public-only.
         max_chunk: at most this many examples are differentiated at once (memory bound).
+        engine: how per-example gradients are computed: "layers" (each layer's rule from one
+            batched backward pass, ``torch.func`` for layers without a rule) or "vmap"
+            (``torch.func`` for the whole model). No privacy meaning: the clip bounds are
+            computed on the gradients either engine gives.
         groups: ``{group: [parameter-name patterns]}``; None for the layer-aware default.
         anchor_cache_mb: keep anchor gradients in memory between power iterations when they
             fit in this many MiB, else recompute them per pass.
@@ -85,6 +90,7 @@ class GEPConfig:
     basis_refresh: int = DEFAULT_BASIS_REFRESH
     past_releases: int = 0
     max_chunk: int = 128
+    engine: str = "layers"
     groups: Mapping[str, Sequence[str]] | None = field(default=None, hash=False)
     anchor_cache_mb: int = 1024
 
@@ -95,6 +101,7 @@ class GEPConfig:
             )
         check_choice("contract.mechanism", self.contract.mechanism, MECHANISMS)
         check_choice("anchor_labels", self.anchor_labels, ANCHOR_LABELS)
+        check_choice("engine", self.engine, ENGINES)
         if self.clip_quantile is not None:
             PROBABILITY.check("clip_quantile", self.clip_quantile)
         if self.residual_quantile is not None:

@@ -1,0 +1,185 @@
+"""Per-example gradients layer by layer, from each layer's inputs and output gradients.
+
+One batched forward and one batched backward give every layer's inputs ``a`` and the
+gradients ``b`` of the summed per-example losses with respect to its outputs; a layer rule
+turns them into the layer's per-example gradients (for a linear layer ``g_i = b_i^T a_i``).
+The rules are Opacus's (``opacus.grad_sample``, a maintained library): Linear, Conv, the
+norm layers, Embedding and others. A layer that owns parameters and has no rule is
+differentiated alone with ``torch.func`` (Opacus's fallback), and ``fallback_layers`` names it.
+
+Sums over a batch are the same as the per-example losses' gradients only if no layer mixes
+examples: ``per_example.validate_model`` refuses the ones that do (BatchNorm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.grad_sample.grad_sample_module import GradSampleModule
+from torch import nn
+from torch.func import vmap
+
+from gep_fed.mechanisms.groups import ParameterLayout
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Rule = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
+
+
+class LayerEngineUnavailable(RuntimeError):
+    """This model cannot be served layer by layer (a hooked layer's output is changed in place)."""
+
+
+@dataclass(frozen=True)
+class ServedLayer:
+    """A module whose parameters one rule differentiates (with all its sub-modules' when
+    ``rule`` is the ``torch.func`` fallback)."""
+
+    name: str
+    module: nn.Module
+    rule: Rule
+    fallback: bool
+
+
+def _owns_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _served_layers(model: nn.Module) -> Iterator[ServedLayer]:
+    """Opacus's walk: a module with a rule is served by it; one that owns parameters without
+    a rule is served whole by ``torch.func`` (its sub-modules included)."""
+
+    def walk(name: str, module: nn.Module) -> Iterator[ServedLayer]:
+        rule = GradSampleModule.GRAD_SAMPLERS.get(type(module))
+        if rule is not None and any(p.requires_grad for p in module.parameters()):
+            yield ServedLayer(name, module, rule, fallback=False)
+            return
+        if _owns_trainable(module):
+            yield ServedLayer(name or "<root>", module, ft_compute_per_sample_gradient, True)
+            return
+        for child_name, child in module.named_children():
+            yield from walk(f"{name}.{child_name}" if name else child_name, child)
+
+    yield from walk("", model)
+
+
+def fallback_layers(model: nn.Module) -> list[str]:
+    """The layers with trainable parameters and no layer rule: each is differentiated alone
+    with ``torch.func`` (slower). Write a rule with ``opacus.grad_sample.register_grad_sampler``
+    to serve one layer by layer."""
+    return [f"{s.name} ({type(s.module).__name__})" for s in _served_layers(model) if s.fallback]
+
+
+def layer_gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    layout: ParameterLayout,
+    out: torch.Tensor,
+) -> None:
+    """Write the per-example gradients of ``inputs`` into ``out`` (``(n, layout.size)``).
+
+    ``loss_fn`` is applied to each example alone (vmapped), so a mean-reduced loss gives the
+    per-example loss, exactly as ``torch.func``'s per-example gradients see it. The model's
+    ``.grad`` is left untouched.
+
+    Raises:
+        LayerEngineUnavailable: a hooked layer's output was modified in place later in the
+            forward pass (its recorded output gradient would be wrong); nothing is written.
+    """
+    columns = {
+        id(p): layout.index[name] for name, p in model.named_parameters() if name in layout.index
+    }
+    wanted = columns.keys()
+    served = [
+        s for s in _served_layers(model) if any(id(p) in wanted for p in s.module.parameters())
+    ]
+    records: list[tuple[ServedLayer, list[torch.Tensor], torch.Tensor, int]] = []
+
+    def capture(layer: ServedLayer):
+        def hook(_module, args, output):
+            if not isinstance(output, torch.Tensor):
+                raise LayerEngineUnavailable(
+                    f"layer {layer.name} returns a {type(output).__name__}"
+                )
+            records.append((layer, [a.detach() for a in args], output, output._version))
+
+        return hook
+
+    handles = [s.module.register_forward_hook(capture(s)) for s in served]
+    try:
+        with torch.enable_grad():
+            outputs = model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    changed = [layer.name for layer, _, output, version in records if output._version != version]
+    if changed:
+        raise LayerEngineUnavailable(
+            f"the outputs of {', '.join(changed)} are modified in place later in the forward "
+            "pass (e.g. ReLU(inplace=True) or `out += x`); make those operations out of place"
+        )
+    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)), randomness="different")(
+        outputs, targets
+    )
+    backprops = torch.autograd.grad(losses.sum(), [r[2] for r in records], allow_unused=True)
+    written: set[int] = set()
+    for (layer, activations, output, _), backprop in zip(records, backprops, strict=True):
+        if backprop is None:  # the output does not reach the loss
+            continue
+        rule = _rule_for(layer, activations[0], output)
+        for param, grad in rule(layer.module, activations, backprop).items():
+            if id(param) not in wanted:
+                continue
+            start, stop = columns[id(param)]
+            block = out[:, start:stop]
+            if id(param) in written:  # a layer called more than once: its gradients add up
+                block += grad.reshape(block.shape)
+            else:
+                block.copy_(grad.reshape(block.shape))
+                written.add(id(param))
+    for name, p in model.named_parameters():
+        if id(p) in wanted and id(p) not in written:  # unused in this forward: gradient 0
+            start, stop = layout.index[name]
+            out[:, start:stop] = 0
+
+
+def _rule_for(layer: ServedLayer, activation: torch.Tensor, output: torch.Tensor) -> Rule:
+    """Opacus's convolution rule unfolds the input (a copy ``q = c_in k^2 / groups`` times
+    the input's size); ``torch.func`` on the layer alone costs a grouped convolution. The
+    second is faster (measured on CPU, ``benchmarks/step_time.py``) when the output has at
+    least ``q`` positions and the input at least 8 channels."""
+    module = layer.module
+    if not layer.fallback and isinstance(module, nn.Conv2d) and module.in_channels >= 8:
+        q = module.in_channels // module.groups * math.prod(module.kernel_size)
+        if output.shape[-1] * output.shape[-2] >= q:
+            return ft_compute_per_sample_gradient
+    return layer.rule
+
+
+def layer_engines(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
+    """How the layer engine serves each layer with trainable parameters for inputs shaped like
+    ``example`` (a batch): ``"<Type>: rule"`` (Opacus's layer rule) or ``"<Type>: torch.func"``
+    (the layer alone, vmapped). For reports; runs one forward pass without gradients."""
+    found: dict[str, str] = {}
+
+    def capture(layer: ServedLayer):
+        def hook(_module, args, output):
+            rule = _rule_for(layer, args[0], output)
+            how = "torch.func" if rule is ft_compute_per_sample_gradient else "rule"
+            found[layer.name] = f"{type(layer.module).__name__}: {how}"
+
+        return hook
+
+    handles = [s.module.register_forward_hook(capture(s)) for s in _served_layers(model)]
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for h in handles:
+            h.remove()
+    return found

@@ -1,0 +1,220 @@
+"""The layer engine (per-example gradients from layer rules) gives today's per-example
+gradients and clipped sums, on every kind of model the tests use, and keeps the clip bounds."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
+from gep_fed.mechanisms.anchors import compute_anchor_subspace
+from gep_fed.mechanisms.contract import PrivacyContract
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.layer_gradients import fallback_layers
+from gep_fed.mechanisms.per_example import per_example_gradients
+from gep_fed.mechanisms.step import clipped_sums_of_batches
+from gep_fed.mechanisms.step_config import GEPConfig
+
+
+class Scaled(nn.Module):
+    """A layer with its own parameter and no layer rule."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class WithCustomLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.custom, self.fc2 = nn.Linear(12, 16), Scaled(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.custom(self.fc1(x))))
+
+
+class SharedLayer(nn.Module):
+    """One linear layer applied twice: its per-example gradients add up over both uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.out = nn.Linear(12, 12), nn.Linear(12, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inner(torch.tanh(self.inner(x)))))
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu_(self.fc1(x)))
+
+
+def frozen_mlp() -> nn.Module:
+    model = MLP(12, 4, hidden=(16, 8))
+    model.hidden[0].requires_grad_(False)
+    model.out.bias.requires_grad_(False)
+    return model
+
+
+def unused_head() -> nn.Module:
+    model = MLP(12, 4, hidden=(16,))
+    model.spare = nn.Linear(3, 3)  # trainable, never called: gradient 0
+    return model
+
+
+MODELS = {
+    "mnist_cnn": (MnistCNN, (1, 28, 28)),
+    "resnet20_gn": (resnet20_gn, (3, 32, 32)),
+    "frozen_layers": (frozen_mlp, (12,)),
+    "layer_without_rule": (WithCustomLayer, (12,)),
+    "shared_layer": (SharedLayer, (12,)),
+    "unused_parameters": (unused_head, (12,)),
+}
+
+
+def data(shape, n=7, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(n, *shape, generator=generator, dtype=dtype), torch.arange(n) % 4
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_layer_engine_gives_the_vmap_engines_per_example_gradients(name):
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    layout = ParameterLayout.from_model(model)
+    x, y = data(shape)
+    layers = per_example_gradients(model, F.cross_entropy, x, y, layout, 3, "layers")
+    vmap = per_example_gradients(model, F.cross_entropy, x, y, layout, 3, "vmap")
+    torch.testing.assert_close(layers, vmap, rtol=1e-5, atol=1e-7)
+    assert layers.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_both_engines_give_the_same_clipped_sums_to_1e_5(name, mechanism):
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = make().double()
+    layout = ParameterLayout.from_model(model)
+    x, y = data(shape, n=9)
+    contract = PrivacyContract(
+        mechanism,
+        noise_multiplier=1.0,
+        sample_rate=0.1,
+        clip_embedding=0.05,
+        clip_residual=0.02,
+        clip_norm=0.05,
+    )  # small clips: most examples are clipped, so the factors are tested too
+    config = GEPConfig(contract, num_basis=8, num_anchors=8)
+    subspace = None
+    if mechanism != "gp":
+        public, _ = data(shape, n=8)
+        subspace = compute_anchor_subspace(
+            model,
+            public,
+            layout,
+            config,
+            loss_fn=F.cross_entropy,
+            generator=torch.Generator().manual_seed(1),
+        ).subspace
+    sums = {
+        engine: clipped_sums_of_batches(
+            model,
+            F.cross_entropy,
+            [(x, y)],
+            layout,
+            contract.build_mechanism(),
+            subspace,
+            4,
+            engine=engine,
+        )
+        for engine in ("layers", "vmap")
+    }
+    for part in ("embedding", "residual"):
+        a, b = getattr(sums["layers"], part), getattr(sums["vmap"], part)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.linalg.vector_norm(a - b) <= 1e-5 * torch.linalg.vector_norm(b)
+
+
+def test_a_layer_without_a_rule_is_named_and_still_served():
+    assert fallback_layers(WithCustomLayer()) == ["custom (Scaled)"]
+    assert fallback_layers(MnistCNN()) == []
+
+
+def test_an_output_changed_in_place_sends_the_model_to_vmap_with_the_layer_named():
+    model = InPlace().double()
+    layout = ParameterLayout.from_model(model)
+    x, y = data((12,))
+    with pytest.warns(UserWarning, match=r"outputs of fc1 are modified in place"):
+        got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    expected = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "vmap")
+    torch.testing.assert_close(got, expected)
+
+
+def test_the_layer_engine_leaves_the_models_gradients_and_hooks_alone():
+    model = MnistCNN()
+    layout = ParameterLayout.from_model(model)
+    x, y = data((1, 28, 28), dtype=torch.float32)
+    per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("mechanism", ["gp", "gep-s1", "gep-s2"])
+def test_no_example_exceeds_its_clip_through_the_layer_engine(mechanism):
+    """Issue 19's float case end to end: huge gradients (output weights scaled by 1e7) and
+    S = 1e-30; each example's release, taken alone, stays within its bound."""
+    torch.manual_seed(0)
+    model = MLP(12, 4, hidden=(16,))
+    with torch.no_grad():
+        model.out.weight.mul_(1e7)
+    layout = ParameterLayout.from_model(model)
+    x, y = data((12,), n=20, dtype=torch.float32)
+    tiny, loose = 1e-30, 1e30
+    clips = {
+        "gp": (loose, loose, tiny),
+        "gep-s1": (tiny, loose, loose),
+        "gep-s2": (loose, tiny, loose),
+    }
+    s1, s2, s = clips[mechanism]
+    contract = PrivacyContract(
+        "gp" if mechanism == "gp" else "gep",
+        noise_multiplier=1.0,
+        sample_rate=0.1,
+        clip_embedding=s1,
+        clip_residual=s2,
+        clip_norm=s,
+    )
+    subspace = None
+    if mechanism != "gp":
+        subspace = compute_anchor_subspace(
+            model,
+            x[:8],
+            layout,
+            GEPConfig(contract, num_basis=4, num_anchors=8),
+            loss_fn=F.cross_entropy,
+            generator=torch.Generator().manual_seed(1),
+        ).subspace
+    worst = 0.0
+    for i in range(len(x)):
+        sums = clipped_sums_of_batches(
+            model,
+            F.cross_entropy,
+            [(x[i : i + 1], y[i : i + 1])],
+            layout,
+            contract.build_mechanism(),
+            subspace,
+            engine="layers",
+        )
+        part = sums.embedding if mechanism == "gep-s1" else sums.residual
+        worst = max(worst, float(torch.linalg.vector_norm(part.double())) / tiny)
+    assert worst <= 1.0, f"an example reached {worst} x its clip"
