@@ -13,7 +13,6 @@ examples: ``per_example.validate_model`` refuses the ones that do (BatchNorm).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -149,15 +148,19 @@ def layer_gradients(
 
 
 def _rule_for(layer: ServedLayer, activation: torch.Tensor, output: torch.Tensor) -> Rule:
-    """Opacus's convolution rule unfolds the input (a copy ``q = c_in k^2 / groups`` times
-    the input's size); ``torch.func`` on the layer alone costs a grouped convolution. The
-    second is faster (measured on CPU, ``benchmarks/step_time.py``) when the output has at
-    least ``q`` positions and the input at least 8 channels."""
+    """Opacus's convolution rule unfolds the input (``c_in k^2`` copies of it) and multiplies;
+    ``torch.func`` on the layer alone runs a grouped convolution instead. On CPU the second
+    was faster for stride-1 convolutions with 16 to 32 input channels per group, and slower
+    elsewhere (``benchmarks/step_time.py``'s models, 2 threads); on CUDA the rule is used."""
     module = layer.module
-    if not layer.fallback and isinstance(module, nn.Conv2d) and module.in_channels >= 8:
-        q = module.in_channels // module.groups * math.prod(module.kernel_size)
-        if output.shape[-1] * output.shape[-2] >= q:
-            return ft_compute_per_sample_gradient
+    if (
+        not layer.fallback
+        and isinstance(module, nn.Conv2d)
+        and activation.device.type == "cpu"
+        and module.stride == (1, 1)
+        and 16 <= module.in_channels // module.groups <= 32
+    ):
+        return ft_compute_per_sample_gradient
     return layer.rule
 
 
