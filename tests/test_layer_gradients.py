@@ -56,6 +56,18 @@ class InPlace(nn.Module):
         return self.fc2(torch.relu_(self.fc1(x)))
 
 
+class BatchCentred(nn.Module):
+    """Subtracts the batch mean: one example's output depends on the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.tanh(h - h.mean(0, keepdim=True)))
+
+
 def frozen_mlp() -> nn.Module:
     model = MLP(12, 4, hidden=(16, 8))
     model.hidden[0].requires_grad_(False)
@@ -158,6 +170,26 @@ def test_an_output_changed_in_place_sends_the_model_to_vmap_with_the_layer_named
         got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
     expected = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "vmap")
     torch.testing.assert_close(got, expected)
+
+
+def test_a_model_that_mixes_examples_is_differentiated_one_example_at_a_time():
+    """A batched pass would give each example a "gradient" that depends on the others (its
+    clip would not bound one example's influence): the probe sends the model to torch.func,
+    which differentiates each example alone, before any private batch is differentiated."""
+    model = BatchCentred().double()
+    layout = ParameterLayout.from_model(model)
+    x, y = data((12,))
+    with pytest.warns(UserWarning, match=r"depends on the other examples of its batch"):
+        got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    alone = torch.stack(
+        [
+            per_example_gradients(
+                model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
+            )[0]
+            for i in range(len(x))
+        ]
+    )
+    torch.testing.assert_close(got, alone)
 
 
 def test_the_layer_engine_leaves_the_models_gradients_and_hooks_alone():

@@ -7,14 +7,19 @@ The rules are Opacus's (``opacus.grad_sample``, a maintained library): Linear, C
 norm layers, Embedding and others. A layer that owns parameters and has no rule is
 differentiated alone with ``torch.func`` (Opacus's fallback), and ``fallback_layers`` names it.
 
-Sums over a batch are the same as the per-example losses' gradients only if no layer mixes
-examples: ``per_example.validate_model`` refuses the ones that do (BatchNorm).
+A batched pass gives per-example gradients only if no operation mixes examples: a batch
+statistic would make one example's "gradient" depend on the others, and its clip would no
+longer bound one example's influence. ``per_example.validate_model`` refuses the layers known
+to mix (BatchNorm); for any other model, before its first batch of each input shape, a probe
+on public random inputs compares one example's output in a batch with its output alone, and a
+model that fails is left to ``torch.func``, which differentiates each example alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
@@ -65,6 +70,40 @@ def _served_layers(model: nn.Module) -> Iterator[ServedLayer]:
     yield from walk("", model)
 
 
+# (model -> input shapes and dtypes whose examples the probe found kept apart)
+_SEPARATE: WeakKeyDictionary[nn.Module, set[tuple]] = WeakKeyDictionary()
+
+
+def check_examples_kept_apart(model: nn.Module, like: torch.Tensor) -> None:
+    """Raise ``LayerEngineUnavailable`` if one example's output in a batch of three differs
+    from its output alone, on public random inputs shaped like ``like`` (same RNG seed for
+    both passes, so per-example dropout masks agree). Checked once per model and input shape.
+    """
+    key = (tuple(like.shape[1:]), like.dtype, like.device)
+    if key in _SEPARATE.get(model, ()):
+        return
+    shape = (3, *like.shape[1:])
+    if like.is_floating_point():
+        probe = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(like)
+    else:  # indices: 0 for the probed example, 1 for the others
+        probe = (torch.arange(3) > 0).reshape(3, *[1] * (like.ndim - 1)).expand(shape).to(like)
+    devices = [like.device] if like.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices):
+        torch.manual_seed(0)
+        together = model(probe)
+        torch.manual_seed(0)
+        alone = model(probe[:1])
+    if not (isinstance(together, torch.Tensor) and isinstance(alone, torch.Tensor)):
+        raise LayerEngineUnavailable("the model's output is not a tensor")
+    scale = float(alone.abs().max()) if alone.numel() else 0.0
+    if not torch.allclose(together[:1], alone, rtol=1e-3, atol=1e-5 * (1 + scale)):
+        raise LayerEngineUnavailable(
+            "one example's output depends on the other examples of its batch (a batch "
+            "statistic?): each example is differentiated alone instead"
+        )
+    _SEPARATE.setdefault(model, set()).add(key)
+
+
 def fallback_layers(model: nn.Module) -> list[str]:
     """The layers with trainable parameters and no layer rule: each is differentiated alone
     with ``torch.func`` (slower). Write a rule with ``opacus.grad_sample.register_grad_sampler``
@@ -87,9 +126,12 @@ def layer_gradients(
     ``.grad`` is left untouched.
 
     Raises:
-        LayerEngineUnavailable: a hooked layer's output was modified in place later in the
-            forward pass (its recorded output gradient would be wrong); nothing is written.
+        LayerEngineUnavailable: one example's output depends on the others of its batch
+            (``check_examples_kept_apart``), or a hooked layer's output was modified in place
+            later in the forward pass (its recorded output gradient would be wrong); nothing
+            is written.
     """
+    check_examples_kept_apart(model, inputs)
     columns = {
         id(p): layout.index[name] for name, p in model.named_parameters() if name in layout.index
     }
