@@ -34,7 +34,9 @@ from gep_fed.validation import (
 
 MODES = ("central", "client")
 BASIS_DTYPES = ("float32", "float16")
+BASIS_TRANSPORTS = ("basis", "rebuild")
 LEARNING_RATE = POSITIVE
+
 
 def task_class(name: str) -> type[Task]:
     """``resolve_task``, its errors as ``ConfigError`` (one line each at the CLI)."""
@@ -154,6 +156,12 @@ class FederationConfig:
     )
     basis_refresh: int = _opt(1, "recompute and resend the basis every R rounds")
     basis_dtype: str = _opt("float32", "basis on the wire: float32 or float16 (half the bytes)")
+    basis_transport: str = _opt(
+        "basis",
+        "how a site gets each basis: basis (the server sends the bases, p_g x k_g numbers per "
+        "group) or rebuild (the server sends the anchors and m x k_g coefficients per group, "
+        "and each site rebuilds the bases from the anchors' gradients: public data only)",
+    )
     rounds: int = _opt(10, "federated rounds")
     local_steps: int = _opt(10, "private steps per site per round (client mode), each accounted")
     local_lr: float = _opt(1.0, "site learning rate (client mode)")
@@ -186,6 +194,7 @@ class FederationConfig:
         check_choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
         check_choice("partition", self.partition, PARTITIONS)
         check_choice("basis_dtype", self.basis_dtype, BASIS_DTYPES)
+        check_choice("basis_transport", self.basis_transport, BASIS_TRANSPORTS)
         check_choice("anchor_labels", self.anchor_labels, ANCHOR_LABELS)
         check_choice("device", self.device, DEVICES)
         for name in (
@@ -220,8 +229,13 @@ class FederationConfig:
         # The clip norms' own range is the contract's, checked where it is built; a
         # contract of the run's clips at sigma 0 checks them now.
         PrivacyContract(
-            self.mechanism, 0.0, self.sample_rate, self.clip_embedding, self.clip_residual,
-            self.clip_norm, self.langevin_beta0 if self.mechanism == "langevin" else 0.0,
+            self.mechanism,
+            0.0,
+            self.sample_rate,
+            self.clip_embedding,
+            self.clip_residual,
+            self.clip_norm,
+            self.langevin_beta0 if self.mechanism == "langevin" else 0.0,
         )
         # ScatterNet + linear is linear in its parameters (a fixed transform, then GroupNorm
         # without parameters); a user task checks its own model

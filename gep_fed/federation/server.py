@@ -32,11 +32,14 @@ from gep_fed.federation.wire import (
     WireError,
     as_wire_array,
     basis_bytes,
+    checked_basis,
+    decode_anchors,
     decode_basis,
+    encode_anchors,
     encode_basis,
     encode_state,
 )
-from gep_fed.mechanisms.anchors import compute_anchor_subspace
+from gep_fed.mechanisms.anchors import compute_anchor_subspace, rebuild_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import check_linear
 from gep_fed.mechanisms.mechanism import ClippedSums
@@ -168,14 +171,27 @@ class FederationServer:
                 multilabel=self.task.kind != "multiclass",
                 generator=self.generator,
                 measure=True,
+                with_coefficients=cfg.basis_transport == "rebuild",
             )
-            self._basis_arrays = encode_basis(result.subspace, cfg.basis_dtype)
-            # Reconstruct with exactly the basis the sites receive (float16 included).
-            self.subspace = decode_basis(
-                {k: as_wire_array(v) for k, v in self._basis_arrays.items()},
-                self.layout,
-                cfg.basis_dtype,
-            ).to(self.device)
+            # Reconstruct with the basis the sites will use: as received (float16 included),
+            # or rebuilt from the anchors and coefficients as sent, the way a site does.
+            if cfg.basis_transport == "rebuild":
+                self._basis_arrays = encode_anchors(result.anchors)
+                sent = decode_anchors(self._wire_arrays(), self.layout)
+                self.subspace = checked_basis(
+                    rebuild_anchor_subspace(
+                        self.model,
+                        sent,
+                        self.layout,
+                        loss_fn=self.task.loss,
+                        max_chunk=self.gep.max_chunk,
+                    ),
+                    "server",
+                )
+            else:
+                self._basis_arrays = encode_basis(result.subspace, cfg.basis_dtype)
+                self.subspace = decode_basis(self._wire_arrays(), self.layout, cfg.basis_dtype)
+            self.subspace = self.subspace.to(self.device)
             self.basis_id = basis_id
             anchor_seconds, proj_err = result.seconds, result.projection_error
         rc = RoundConfig(
@@ -196,6 +212,9 @@ class FederationServer:
             anchor_seconds,
             proj_err,
         )
+
+    def _wire_arrays(self) -> dict:
+        return {k: as_wire_array(v) for k, v in self._basis_arrays.items()}
 
     @property
     def basis_nbytes(self) -> int:

@@ -31,6 +31,7 @@ from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
 from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.wire import RoundConfig, RoundRefused
+from gep_fed.mechanisms.anchors import AnchorSet, rebuild_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
 from gep_fed.mechanisms.mechanism import ClippedSums
@@ -159,6 +160,13 @@ class Site:
                 count += int(valid.sum())
         return total / max(count, 1)
 
+    def rebuild_subspace(self, anchors: AnchorSet) -> AnchorSubspace:
+        """The round's basis from public anchors and coefficients the server sent, at the
+        current (received) weights: public data only, nothing private is read."""
+        return rebuild_anchor_subspace(
+            self.model, anchors, self.layout, loss_fn=self.loss_fn, max_chunk=self.max_chunk
+        )
+
     def load_state(self, state: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
 
@@ -280,7 +288,6 @@ class Site:
             inputs.to(self.device), targets.to(self.device), first_step=_first_langevin_step(rc)
         )
         return layout.flatten_params(self.model) - before
-
 
     @cached_property
     def _langevin_examples(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gep_fed.federation.config import BASIS_DTYPES, LEARNING_RATE, MODES
+from gep_fed.mechanisms.anchors import AnchorSet
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums
@@ -313,7 +314,11 @@ def decode_basis(
         value = _read_array(sender, BASIS, arrays, name, (group.size, k), (dtype,))
         bases.append(torch.from_numpy(value.astype(np.float32)))
     _no_extra(sender, BASIS, arrays, {f"basis.{i}" for i in range(len(layout.groups))})
-    subspace = AnchorSubspace(layout, tuple(bases))
+    return checked_basis(AnchorSubspace(layout, tuple(bases)), sender)
+
+
+def checked_basis(subspace: AnchorSubspace, sender: str = "server") -> AnchorSubspace:
+    """``subspace``, refused when further from orthonormal than an honest server's basis."""
     if not subspace.orthonormality_error <= MAX_BASIS_ORTHONORMALITY_ERROR:
         raise WireError(
             sender,
@@ -322,6 +327,73 @@ def decode_basis(
             f"{MAX_BASIS_ORTHONORMALITY_ERROR})",
         )
     return subspace
+
+
+# With ``basis_transport = "rebuild"`` the BASIS record carries the anchors and the basis'
+# coefficients in their gradients instead of the bases (``anchors.inputs``, ``anchors.labels``,
+# ``coefficients.<group>``); the site rebuilds the bases (``rebuild_anchor_subspace``).
+ANCHOR_INPUT_DTYPES = ("float32", "int64")
+
+
+def encode_anchors(anchors: AnchorSet) -> dict[str, np.ndarray]:
+    labels = anchors.labels.detach().cpu()
+    out = {
+        "anchors.inputs": anchors.inputs.detach().cpu().numpy(),
+        "anchors.labels": labels.numpy().astype(
+            np.float32 if labels.is_floating_point() else np.int64
+        ),
+    }
+    for i, c in enumerate(anchors.coefficients):
+        out[f"coefficients.{i}"] = c.detach().cpu().numpy().astype(np.float32)
+    return out
+
+
+def is_anchor_record(arrays: Mapping) -> bool:
+    """Whether a BASIS record carries anchors and coefficients (to rebuild) or bases."""
+    return "anchors.inputs" in arrays
+
+
+def decode_anchors(
+    arrays: Mapping[str, WireArray], layout: ParameterLayout, sender: str = "server"
+) -> AnchorSet:
+    """The anchors (inputs, labels) and each group's ``(m, k_g)`` coefficients, checked:
+    ``1 <= k_g <= min(m, p_g)``, every array finite and of a declared shape."""
+
+    def declared(name: str) -> tuple[int, ...]:
+        if name not in arrays:
+            raise WireError(sender, f"{BASIS}.{name}", "missing")
+        return tuple(int(d) for d in arrays[name].shape)
+
+    shape = declared("anchors.inputs")
+    if len(shape) < 2 or shape[0] < 1:
+        raise WireError(sender, f"{BASIS}.anchors.inputs", f"bad shape {shape}")
+    m = shape[0]
+    inputs = _read_array(sender, BASIS, arrays, "anchors.inputs", shape, ANCHOR_INPUT_DTYPES)
+    label_shape = declared("anchors.labels")
+    if label_shape[:1] != (m,) or len(label_shape) > 2:
+        raise WireError(
+            sender, f"{BASIS}.anchors.labels", f"bad shape {label_shape} for {m} anchors"
+        )
+    labels = _read_array(
+        sender,
+        BASIS,
+        arrays,
+        "anchors.labels",
+        label_shape,
+        ("int64",) if len(label_shape) == 1 else ("float32",),
+    )
+    coefficients = []
+    for i, group in enumerate(layout.groups):
+        name = f"coefficients.{i}"
+        shape = declared(name)
+        if len(shape) != 2 or shape[0] != m or not (1 <= shape[1] <= min(m, group.size)):
+            raise WireError(sender, f"{BASIS}.{name}", f"bad shape {shape} for {m} anchors")
+        coefficients.append(torch.from_numpy(_read_array(sender, BASIS, arrays, name, shape)))
+    expected = {"anchors.inputs", "anchors.labels"} | {
+        f"coefficients.{i}" for i in range(len(layout.groups))
+    }
+    _no_extra(sender, BASIS, arrays, expected)
+    return AnchorSet(torch.from_numpy(inputs), torch.from_numpy(labels), tuple(coefficients))
 
 
 # -- central mode: clipped sums --------------------------------------------------------------

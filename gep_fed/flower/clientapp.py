@@ -39,7 +39,6 @@ from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig, simulated_site_name
 from gep_fed.federation.site import Site, resolve_device, site_dataset
-from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import ConfigError
 
@@ -48,6 +47,7 @@ log = logging.getLogger("gep_fed.federation.site")
 # One Site per (run, node) in this process: data is loaded once, not every round.
 _SITES: dict[tuple[int, int], tuple[Site, SiteConfig]] = {}
 BASIS_ID_KEY = "basis-id"
+BASIS_DTYPE_KEY = "basis-dtype"  # how the held basis is stored
 LAST_ROUND_KEY = "last-round"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
 # A simulated site's rounds and their outcomes, in its folder of the run directory.
@@ -157,22 +157,37 @@ def _open_ledger(cfg: SiteConfig) -> PrivacyLedger:
 
 
 def _basis(
-    msg: Message, context: Context, rc: wire.RoundConfig, layout: ParameterLayout
+    msg: Message, context: Context, rc: wire.RoundConfig, site: Site
 ) -> tuple[AnchorSubspace | None, int]:
-    """The basis the round needs: from the message (kept for later rounds) or from the
-    site's state. Returns it with the bytes received for it this round."""
+    """The basis the round needs: from the message (the bases, or the anchors and
+    coefficients to rebuild them from at the round's weights, loaded before this call), kept
+    for later rounds, or from the site's state. Returns it with the bytes received for it
+    this round."""
     if rc.basis_id < 0:
         return None, 0
     if wire.BASIS in msg.content.array_records:
         record = msg.content.array_records[wire.BASIS]
-        subspace = wire.decode_basis(record, layout, rc.basis_dtype)
-        context.state[wire.BASIS] = record
-        context.state[BASIS_ID_KEY] = ConfigRecord({BASIS_ID_KEY: rc.basis_id})
+        if wire.is_anchor_record(record):
+            anchors = wire.decode_anchors(record, site.layout)
+            subspace = wire.checked_basis(site.rebuild_subspace(anchors))
+            kept = _arrays(wire.encode_basis(subspace))
+        else:
+            subspace, kept = wire.decode_basis(record, site.layout, rc.basis_dtype), record
+        context.state[wire.BASIS] = kept
+        context.state[BASIS_ID_KEY] = ConfigRecord(
+            {BASIS_ID_KEY: rc.basis_id, BASIS_DTYPE_KEY: _held_dtype(record, rc)}
+        )
         return subspace, sum(len(a.data) for a in record.values())
-    held = context.state.config_records.get(BASIS_ID_KEY, {}).get(BASIS_ID_KEY)
-    if held != rc.basis_id:
+    held = context.state.config_records.get(BASIS_ID_KEY, {})
+    if held.get(BASIS_ID_KEY) != rc.basis_id:
         raise wire.WireError("server", wire.BASIS, f"round needs basis {rc.basis_id}, not sent")
-    return wire.decode_basis(context.state.array_records[wire.BASIS], layout, rc.basis_dtype), 0
+    record = context.state.array_records[wire.BASIS]
+    return wire.decode_basis(record, site.layout, held.get(BASIS_DTYPE_KEY, rc.basis_dtype)), 0
+
+
+def _held_dtype(record, rc: wire.RoundConfig) -> str:
+    """A rebuilt basis is kept in float32; a received one as it came."""
+    return "float32" if wire.is_anchor_record(record) else rc.basis_dtype
 
 
 def _train(
@@ -186,7 +201,7 @@ def _train(
     site.admit(rc, last_round)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
-    subspace, received = _basis(msg, context, rc, site.layout)
+    subspace, received = _basis(msg, context, rc, site)
     context.state[LAST_ROUND_KEY] = ConfigRecord({LAST_ROUND_KEY: rc.round})
     release = site.run_round(rc, subspace, last_round)
     metrics = {"basis-bytes-received": received, BASIS_ID_KEY: rc.basis_id}

@@ -16,7 +16,23 @@ from torch import nn
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.per_example import LossFn, per_example_gradients
 from gep_fed.mechanisms.step_config import GEPConfig
-from gep_fed.mechanisms.subspace import AnchorSubspace, power_method_subspace
+from gep_fed.mechanisms.subspace import (
+    AnchorSubspace,
+    power_method_subspace,
+    subspace_from_coefficients,
+)
+
+
+@dataclass(frozen=True)
+class AnchorSet:
+    """What a party needs to rebuild a subspace itself: the anchors used (inputs and the
+    labels they were given) and each group's ``(m, k_g)`` coefficients of the basis in their
+    gradients (``rebuild_anchor_subspace``). All public: public data, public random labels,
+    and a function of their gradients at the current (public) weights."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    coefficients: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,8 @@ class AnchorResult:
         clip_embedding, clip_residual: the ``clip_quantile`` quantiles of the anchors'
             embedding and residual norms (None unless requested).
         seconds: wall time of the computation.
+        anchors: the anchors and the basis' coefficients, when asked for
+            (``compute_anchor_subspace(..., with_coefficients=True)``), else None.
     """
 
     subspace: AnchorSubspace
@@ -36,6 +54,7 @@ class AnchorResult:
     clip_embedding: float | None
     clip_residual: float | None
     seconds: float
+    anchors: AnchorSet | None = None
 
 
 class _AnchorGradients:
@@ -95,6 +114,7 @@ def compute_anchor_subspace(
     multilabel: bool = False,
     generator: torch.Generator | None = None,
     measure: bool = False,
+    with_coefficients: bool = False,
 ) -> AnchorResult:
     """The anchor subspace of ``model`` at its current parameters.
 
@@ -108,6 +128,9 @@ def compute_anchor_subspace(
         generator: public randomness for the anchor subset, labels and power-method start.
         measure: also measure the projection error (and, if ``config.clip_quantile`` is set,
             the clip norms) on the anchors: one more pass over their gradients.
+        with_coefficients: also return the anchors and the basis' coefficients in their
+            gradients (``AnchorResult.anchors``), from which ``rebuild_anchor_subspace``
+            rebuilds the basis.
     """
     began = time.perf_counter()
     device = next(model.parameters()).device
@@ -139,9 +162,19 @@ def compute_anchor_subspace(
         config.anchor_cache_mb * 2**20,
     )
     dims = layout.allocate_basis(config.num_basis, max_rank=m)
+    anchors = None
     subspace = power_method_subspace(
-        grads, layout, dims, config.power_iterations, generator=generator, device=device
+        grads,
+        layout,
+        dims,
+        config.power_iterations,
+        generator=generator,
+        device=device,
+        with_coefficients=with_coefficients,
     )
+    if with_coefficients:
+        subspace, coefficients = subspace
+        anchors = AnchorSet(inputs, labels, coefficients)
     projection_error = clip_e = clip_r = None
     if measure or config.clip_quantile is not None:
         g2, w2 = [], []
@@ -159,4 +192,32 @@ def compute_anchor_subspace(
             # A zero quantile (e.g. all-zero anchor gradients) cannot serve as a clip norm.
             tiny = 1e-6
             clip_e, clip_r = max(clip_e, tiny), max(clip_r, tiny)
-    return AnchorResult(subspace, projection_error, clip_e, clip_r, time.perf_counter() - began)
+    seconds = time.perf_counter() - began
+    return AnchorResult(subspace, projection_error, clip_e, clip_r, seconds, anchors)
+
+
+def rebuild_anchor_subspace(
+    model: nn.Module,
+    anchors: AnchorSet,
+    layout: ParameterLayout,
+    *,
+    loss_fn: LossFn,
+    max_chunk: int = 128,
+    engine: str = "layers",
+) -> AnchorSubspace:
+    """The subspace ``B_g = G_g^T C_g`` from ``anchors``' gradients at ``model``'s current
+    parameters: what a site computes instead of receiving the bases (the server computes it
+    the same way, so both use the same basis up to float rounding). Public data only."""
+    device = next(model.parameters()).device
+    grads = _AnchorGradients(
+        model,
+        loss_fn,
+        anchors.inputs.to(device),
+        anchors.labels.to(device),
+        layout,
+        max_chunk,
+        engine,
+        0,  # one pass: nothing to cache
+    )
+    coefficients = tuple(c.to(device) for c in anchors.coefficients)
+    return subspace_from_coefficients(grads, layout, coefficients)

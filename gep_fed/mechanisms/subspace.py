@@ -210,7 +210,8 @@ def power_method_subspace(
     power_iterations: int = 1,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
-) -> AnchorSubspace:
+    with_coefficients: bool = False,
+) -> AnchorSubspace | tuple[AnchorSubspace, tuple[torch.Tensor, ...]]:
     """Top-``k_g`` right singular subspace of each group's anchor-gradient block.
 
     Starting from a Gaussian ``(p_g, k_g)`` matrix ``L``, each of ``power_iterations`` passes
@@ -222,6 +223,10 @@ def power_method_subspace(
             (the same gradients each pass).
         dims: ``k_g`` per group (see ``ParameterLayout.allocate_basis``).
         generator: for the random start (public randomness).
+        with_coefficients: also return, per group, the ``(m, k_g)`` coefficients ``C_g`` of
+            the basis in the anchors' gradients: the last pass's ``Q R = G_g^T Y`` gives
+            ``Q = G_g^T (Y R^-1)``, so ``subspace_from_coefficients`` rebuilds the basis from
+            the anchors' gradients and ``C_g`` alone (``m k_g`` numbers instead of ``p_g k_g``).
     """
     if power_iterations < 1:
         raise ValueError(f"power_iterations must be >= 1, got {power_iterations}")
@@ -233,11 +238,49 @@ def power_method_subspace(
     ]
     current = starts
     cols = [slice(g.start, g.stop) for g in layout.groups]
-    for _ in range(power_iterations):
+    for step in range(power_iterations):
         acc = [torch.zeros_like(s) for s in current]
+        keep = with_coefficients and step == power_iterations - 1
+        products: list[list[torch.Tensor]] = [[] for _ in cols]
         for chunk in gradient_chunks():
             for g, sl in enumerate(cols):
                 block = chunk[:, sl]
-                acc[g].addmm_(block.T, block @ current[g])
-        current = [torch.linalg.qr(a).Q for a in acc]
-    return AnchorSubspace(layout, tuple(current))
+                y = block @ current[g]
+                acc[g].addmm_(block.T, y)
+                if keep:
+                    products[g].append(y)
+        factors = [torch.linalg.qr(a) for a in acc]
+        current = [f.Q for f in factors]
+    subspace = AnchorSubspace(layout, tuple(current))
+    if not with_coefficients:
+        return subspace
+    coefficients = tuple(  # C = Y R^-1: solve C R = Y
+        torch.linalg.solve_triangular(f.R, torch.cat(y), upper=True, left=False)
+        for f, y in zip(factors, products, strict=True)
+    )
+    return subspace, coefficients
+
+
+def subspace_from_coefficients(
+    gradient_chunks: GradientChunks,
+    layout: ParameterLayout,
+    coefficients: Sequence[torch.Tensor],
+) -> AnchorSubspace:
+    """The basis ``B_g = G_g^T C_g`` from the anchors' gradients (streamed in chunks, rows in
+    order) and each group's ``(m, k_g)`` coefficients (``power_method_subspace(...,
+    with_coefficients=True)``). Public data and public weights only: no privacy cost."""
+    if len(coefficients) != len(layout.groups):
+        raise ValueError(f"{len(coefficients)} coefficient blocks for {len(layout.groups)} groups")
+    bases = [
+        torch.zeros(g.size, c.shape[1], dtype=torch.float32, device=c.device)
+        for g, c in zip(layout.groups, coefficients, strict=True)
+    ]
+    row = 0
+    for chunk in gradient_chunks():
+        rows = slice(row, row + chunk.shape[0])
+        for g, group in enumerate(layout.groups):
+            bases[g].addmm_(chunk[:, group.start : group.stop].T, coefficients[g][rows])
+        row += chunk.shape[0]
+    if row != coefficients[0].shape[0]:
+        raise ValueError(f"{row} anchor gradients for {coefficients[0].shape[0]} coefficient rows")
+    return AnchorSubspace(layout, tuple(bases))
