@@ -12,6 +12,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Dataset
 
+from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import sample_photo_patches
 from gep_fed.data.task import Task, TaskSettings
 
@@ -54,3 +55,13 @@ class TwoFindingsTask(Task):
     def public_dataset(self) -> Dataset:
         patches = sample_photo_patches(self.settings.num_public, 8, seed=self.settings.seed)
         return FindingsDataset(patches / 255.0 * 16.0, np.zeros(len(patches), dtype=np.int64))
+
+
+class DigitsWithValidation(DigitsTask):
+    """The digits task with a validation set carved out of the private pool before it is
+    partitioned (the sites never see it), for keeping the best model."""
+
+    def __init__(self, settings: TaskSettings | None = None) -> None:
+        super().__init__(settings)
+        images, labels = self.train
+        self.train, self.validation = (images[:1100], labels[:1100]), (images[1100:], labels[1100:])

@@ -69,6 +69,47 @@ def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch, m
 
 
 @pytest.mark.slow
+def test_the_server_keeps_the_best_round_on_the_tasks_validation_set(tmp_path, monkeypatch):
+    """A task with a validation set: every round is scored on it, best_model.pt holds the
+    model of the best round by validation balanced accuracy (re-evaluating it gives that
+    round's figure), and the final model stays the result in model.pt."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    fed = FederationConfig(
+        task="example_task:DigitsWithValidation",
+        rounds=4,
+        local_steps=2,
+        num_basis=16,
+        num_public=200,
+        sample_rate=0.2,
+        noise_seed=3,
+        run_dir=str(tmp_path),
+        run_name="r",
+    )
+    result = simulate(fed, progress=False)
+    rows = result.metrics
+    scores = [r["val_balanced_accuracy"] for r in rows]
+    best = 1 + scores.index(max(scores))
+    assert [r["best_round"] for r in rows] == [
+        1 + scores.index(max(scores[:i])) for i in range(1, len(rows) + 1)
+    ]
+    saved = torch.load(result.run_dir / "best_model.pt", weights_only=True)
+    assert saved["round"] == best
+    task = fed.make_task()
+    model = task.build_model()
+    model.load_state_dict(saved["model"])
+    from gep_fed.data.metrics import predict
+
+    again = task.metrics(*predict(model, task.validation_dataset()))
+    assert again["balanced_accuracy"] == pytest.approx(max(scores), abs=1e-9)
+    final = torch.load(result.run_dir / "model.pt", weights_only=True)["model"]
+    assert best == len(rows) or any(not torch.equal(final[k], saved["model"][k]) for k in final)
+
+
+def test_a_task_without_a_validation_set_keeps_no_best_model():
+    assert DigitsTask(TaskSettings(num_public=50)).validation_dataset() is None
+
+
+@pytest.mark.slow
 def test_cifar10_with_resnet20_gn_runs_in_both_modes_reduced(tmp_path):
     """The CIFAR-10 worked example (batches 1-2 private, batch 5 for the server,
     Tiny-ImageNet anchors, ResNet20-GN), reduced to one round per mode."""

@@ -230,4 +230,3 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-

@@ -127,7 +127,7 @@ def _site_data(pairs: list[str] | None) -> dict[str, str] | None:
 
 
 def _print_summary(fed, result, wall: float) -> None:
-    from gep_fed.cli.report import replies_line
+    from gep_fed.cli.report import best_model_line, replies_line
     from gep_fed.flower.simulation import site_line
 
     rows_run = result.metrics
@@ -146,6 +146,9 @@ def _print_summary(fed, result, wall: float) -> None:
         ("rounds", f"{len(rows_run)} of {fed.rounds}: {replies_line(rows_run)}"),
         ("mode / mechanism", f"{fed.mode} / {fed.mechanism}"),
     ]
+    best = best_model_line(rows_run)
+    if best is not None:
+        rows.insert(1, ("best on validation", best))
     ledger = result.run_dir / "ledger.json"
     budget = f"at delta={fed.delta:g}, budget {fed.target_epsilon:g}"
     if fed.mechanism == "langevin":  # only the sites' ledgers know it (it depends on n_i)
@@ -525,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--node-config",
         required=True,
-        help="the SuperNode's --node-config string, e.g. 'site-id=\"h1\" task=\"digits\" ...'",
+        help='the SuperNode\'s --node-config string, e.g. \'site-id="h1" task="digits" ...\'',
     )
     check.add_argument(
         "--app-dir",

@@ -65,6 +65,21 @@ def _f(value) -> str:
     return f"{value:.4f}" if _finite(value) else "-"
 
 
+def best_model_line(rows: list[dict]) -> str | None:
+    """The model kept on the task's validation set (``best_model.pt``) and its test
+    figures, or None when the task has no validation set."""
+    best = rows[-1].get("best_round") if rows else None
+    if best is None:
+        return None
+    row = next(r for r in rows if r["round"] == best)
+    return (
+        f"round {best} (validation balanced accuracy {_f(row.get('val_balanced_accuracy'))}, "
+        f"accuracy {_f(row.get('val_accuracy'))}): test accuracy {_f(row.get('test_accuracy'))}, "
+        f"balanced {_f(row.get('test_balanced_accuracy'))}, AUROC {_f(row.get('test_auroc'))} "
+        "(best_model.pt)"
+    )
+
+
 def replies_line(rows: list[dict]) -> str:
     """How many rounds had accepted replies from every asked site, from some, from none."""
     asked = [r.get("sites_asked", r.get("sites_ok", 0)) for r in rows]
@@ -122,6 +137,9 @@ def render_report(run_dir: str | Path) -> Path:
             f"{_f(last.get('test_majority_rate'))} (the final round is the result: no round "
             "is picked on the test data)"
         )
+        best = best_model_line(rows)
+        if best is not None:
+            lines.append(f"- best model on the task's validation set: {best}")
         lines.append(f"- {replies_line(rows)}")
     if any("site_train_loss_OUTSIDE_PRIVACY_GUARANTEE" in r for r in rows):
         lines.append(

@@ -108,6 +108,7 @@ class ArrayTask(Task):
         public: np.ndarray,
         mean: float,
         std: float,
+        validation: ArrayDataset | None = None,
     ) -> None:
         super().__init__(settings)
         if settings.model not in ARCHITECTURES:
@@ -117,6 +118,7 @@ class ArrayTask(Task):
             )
         self.train = (train.images, train.labels)
         self.test = (test.images, test.labels)
+        self.validation = None if validation is None else (validation.images, validation.labels)
         self.mean, self.std = mean, std
         self.image_shape = tuple(train.images.shape[1:])
         if len(self.image_shape) == 3 and public.ndim == 3:  # RGB task, grey anchors
@@ -154,6 +156,9 @@ class ArrayTask(Task):
 
     def eval_dataset(self) -> Dataset:
         return self._dataset(*self.test)
+
+    def validation_dataset(self) -> Dataset | None:
+        return None if self.validation is None else self._dataset(*self.validation)
 
     def public_dataset(self) -> Dataset:
         return self._dataset(self.public, np.zeros(len(self.public), dtype=np.int64))
@@ -260,8 +265,9 @@ class FashionMnistTask(ArrayTask):
 
 class MedMnistTask(ArrayTask):
     """A single-label MedMNIST file (option ``medmnist-path``; default PneumoniaMNIST in the
-    data folder): train split private, test split for the server, KMNIST or photograph-patch
-    anchors resized to the images. Recommends ScatterNet + linear with the small-data recipe
+    data folder): train split private, test split for the server's evaluation, validation
+    split for keeping the best model, KMNIST or photograph-patch anchors resized to the
+    images. Recommends ScatterNet + linear with the small-data recipe
     (``SMALL_DATA_RECIPE``, chosen on PneumoniaMNIST's validation split)."""
 
     recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType(
@@ -282,7 +288,13 @@ class MedMnistTask(ArrayTask):
         except DataError:
             public = sample_photo_patches(settings.num_public, size, seed=settings.seed)
         super().__init__(
-            settings, splits["train"], splits["test"], public, GENERIC_MEAN, GENERIC_STD
+            settings,
+            splits["train"],
+            splits["test"],
+            public,
+            GENERIC_MEAN,
+            GENERIC_STD,
+            validation=splits["val"],
         )
 
 

@@ -126,6 +126,14 @@ class Task(ABC):
         """Public, non-sensitive examples for the anchor subspace, read by the server only.
         Their labels are used only with ``anchor_labels="true"``."""
 
+    def validation_dataset(self) -> Dataset | None:
+        """Optional: data the server evaluates after every round to keep the best model
+        (``best_model.pt`` in the run directory, chosen by balanced accuracy, else accuracy).
+        Never the test split (``eval_dataset``) and never a site's private data: a model
+        chosen on it is reported with its test figures, which stay unbiased. None: the
+        final round's model is the result."""
+        return None
+
     def train_dataset(self) -> Dataset:
         """The pooled private data a simulation partitions across its sites."""
         raise NotImplementedError(
@@ -152,9 +160,7 @@ class ArrayImageDataset(Dataset):
     """Images held as one ``uint8`` array (small data: digits, MNIST, MedMNIST), converted to
     float tensors one example at a time with a declared mean and std."""
 
-    def __init__(
-        self, images: np.ndarray, labels: np.ndarray, mean: float, std: float
-    ) -> None:
+    def __init__(self, images: np.ndarray, labels: np.ndarray, mean: float, std: float) -> None:
         if len(images) != len(labels):
             raise DataError(f"{len(images)} images but {len(labels)} labels")
         self.images, self.labels, self.mean, self.std = images, labels, mean, std

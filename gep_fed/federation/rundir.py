@@ -20,6 +20,7 @@ METRICS = "metrics.jsonl"
 LEDGER = "ledger.json"
 CHECKPOINT = "checkpoint.pt"
 MODEL = "model.pt"
+BEST_MODEL = "best_model.pt"  # the best round on the task's validation set, if it has one
 REPORT = "report.md"
 
 

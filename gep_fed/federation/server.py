@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,7 +24,7 @@ from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.data.metrics import predict
 from gep_fed.data.task import Task, dataset_targets, stack_examples
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import CHECKPOINT, MODEL, RunDirectory
+from gep_fed.federation.rundir import BEST_MODEL, CHECKPOINT, MODEL, RunDirectory
 from gep_fed.federation.site import resolve_device
 from gep_fed.federation.wire import (
     CLIPPED_SUMS,
@@ -60,6 +60,12 @@ class RoundPlan:
     basis: dict | None
     anchor_seconds: float
     anchor_projection_error: float | None
+
+
+def _validation_score(validation: Mapping[str, float]) -> float | None:
+    """What the best model is chosen by: balanced accuracy, else accuracy (None: neither)."""
+    score = validation.get("balanced_accuracy", validation.get("accuracy"))
+    return float(score) if score is not None and math.isfinite(score) else None
 
 
 def _public_sample(
@@ -117,6 +123,8 @@ class FederationServer:
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
         self.public = _public_sample(task, cfg.num_public, self.generator)
         self.eval_data = task.eval_dataset()
+        self.validation_data = task.validation_dataset()
+        self.best: tuple[int, float] | None = None  # (round, validation score) kept so far
         self.noise = NoiseSource(cfg.noise_seed)
         owner = "federation" if cfg.mode == "central" else "each-site (expected)"
         # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
@@ -285,6 +293,32 @@ class FederationServer:
         metrics = self.task.metrics(*predict(self.model, self.eval_data, device=self.device))
         return {**metrics, "majority_rate": self.majority_rate}
 
+    def validate(self) -> dict | None:
+        """The task's metrics on its validation data (None when it has none)."""
+        if self.validation_data is None:
+            return None
+        return self.task.metrics(*predict(self.model, self.validation_data, device=self.device))
+
+    def keep_if_best(self, round_: int, validation: Mapping[str, float]) -> bool:
+        """Save the model as ``best_model.pt`` if this round's validation score (balanced
+        accuracy, else accuracy) beats every earlier round's; returns whether it did."""
+        score = _validation_score(validation)
+        if score is None:
+            return False
+        if self.best is not None and score <= self.best[1]:
+            return False
+        self.best = (round_, float(score))
+        self.run.save_torch(
+            BEST_MODEL,
+            {
+                "model": self.model.state_dict(),
+                "layout": self.layout.to_dict(),
+                "round": round_,
+                "validation": dict(validation),
+            },
+        )
+        return True
+
     @cached_property
     def majority_rate(self) -> float:
         targets = np.asarray(dataset_targets(self.eval_data))
@@ -341,4 +375,7 @@ class FederationServer:
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.generator.set_state(ckpt["generator"])
         self.completed_rounds = int(ckpt["round"])
+        best = self.run.load_torch(BEST_MODEL)
+        if best is not None and int(best["round"]) <= self.completed_rounds:
+            self.best = (int(best["round"]), _validation_score(best["validation"]))
         return self.completed_rounds

@@ -438,9 +438,16 @@ class GEPStrategy(Strategy):
         privacy spent so far, the seconds since ``began`` (``time.perf_counter``), and what
         the round sent, received and rejected."""
         evaluation = self.server.evaluate()
+        validation = self.server.validate()
+        kept = {}
+        if validation is not None:  # the best round so far, on the task's validation set
+            self.server.keep_if_best(server_round, validation)
+            kept = {f"val_{k}": v for k, v in validation.items()}
+            kept["best_round"] = self.server.best[0] if self.server.best else None
         return {
             "round": server_round,
             **{f"test_{k}": v for k, v in evaluation.items()},
+            **kept,
             "epsilon": self.server.epsilon_spent(site_epsilon),
             "delta": self.cfg.delta,
             "round_seconds": time.perf_counter() - began,
