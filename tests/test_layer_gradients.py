@@ -1,6 +1,8 @@
 """The layer engine (per-example gradients from layer rules) gives today's per-example
 gradients and clipped sums, on every kind of model the tests use, and keeps the clip bounds."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,6 +192,20 @@ def test_a_model_that_mixes_examples_is_differentiated_one_example_at_a_time():
         ]
     )
     torch.testing.assert_close(got, alone)
+
+
+def test_dropout_does_not_send_a_model_to_torch_func():
+    """Two dropout layers draw per-example masks: the probe compares passes of equal shapes
+    and seed, so it does not mistake the masks for mixing."""
+    model = nn.Sequential(
+        nn.Linear(12, 32), nn.Dropout(0.5), nn.Tanh(), nn.Dropout(0.3), nn.Linear(32, 4)
+    ).train()
+    layout = ParameterLayout.from_model(model)
+    x, y = data((12,), dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grads = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    assert torch.isfinite(grads).all() and grads.abs().sum() > 0
 
 
 def test_the_layer_engine_leaves_the_models_gradients_and_hooks_alone():
