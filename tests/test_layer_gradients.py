@@ -70,6 +70,20 @@ class BatchCentred(nn.Module):
         return self.fc2(torch.tanh(h - h.mean(0, keepdim=True)))
 
 
+class GatedBatchCentring(nn.Module):
+    """Mixes examples only when ``gate`` is not 0: a server could send 0 while the engine's
+    probe runs and another value afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 4)
+        self.gate = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(torch.tanh(h + self.gate * (h - h.mean(0, keepdim=True))))
+
+
 def frozen_mlp() -> nn.Module:
     model = MLP(12, 4, hidden=(16, 8))
     model.hidden[0].requires_grad_(False)
@@ -188,6 +202,28 @@ def test_a_model_that_mixes_examples_is_differentiated_one_example_at_a_time():
             per_example_gradients(
                 model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
             )[0]
+            for i in range(len(x))
+        ]
+    )
+    torch.testing.assert_close(got, alone)
+
+
+def test_weights_that_switch_mixing_on_after_the_probe_are_caught():
+    model = GatedBatchCentring().double()
+    layout = ParameterLayout.from_model(model)
+    x, y = data((12,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # gate 0: no mixing, the layer engine serves it
+        per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    state = {**model.state_dict(), "gate": torch.tensor(1.0, dtype=torch.float64)}
+    model.load_state_dict(state)  # the next round's weights, as a site loads them
+    with pytest.warns(UserWarning, match=r"depends on the other examples of its batch"):
+        got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    alone = torch.cat(
+        [
+            per_example_gradients(
+                model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
+            )
             for i in range(len(x))
         ]
     )

@@ -71,17 +71,22 @@ def _served_layers(model: nn.Module) -> Iterator[ServedLayer]:
     yield from walk("", model)
 
 
-# (model -> input shapes and dtypes whose examples the probe found kept apart)
-_SEPARATE: WeakKeyDictionary[nn.Module, set[tuple]] = WeakKeyDictionary()
+# model -> (its parameters' and buffers' versions, the input shapes the probe passed at them):
+# the weights come from the server, and a mixing operation may be gated by a weight (a batch
+# statistic scaled by 0), so a pass holds only until a parameter or buffer changes.
+_SEPARATE: WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], set[tuple]]] = WeakKeyDictionary()
 
 
 def check_examples_kept_apart(model: nn.Module, like: torch.Tensor) -> None:
     """Raise ``LayerEngineUnavailable`` if the first example's output in a batch of three
     changes when the other two are replaced, on public random inputs shaped like ``like``.
     Both passes have the same shapes and RNG seed, so dropout masks and the like agree.
-    Checked once per model and input shape."""
+    Checked once per model, input shape and state of its weights (any in-place change of a
+    parameter or buffer, a loaded round or an optimiser step, checks again)."""
     key = (tuple(like.shape[1:]), like.dtype, like.device)
-    if key in _SEPARATE.get(model, ()):
+    versions = tuple(t._version for t in (*model.parameters(), *model.buffers()))
+    held_versions, passed = _SEPARATE.get(model, ((), set()))
+    if held_versions == versions and key in passed:
         return
     shape = (3, *like.shape[1:])
     if like.is_floating_point():
@@ -105,7 +110,7 @@ def check_examples_kept_apart(model: nn.Module, like: torch.Tensor) -> None:
             "one example's output depends on the other examples of its batch (a batch "
             "statistic?): each example is differentiated alone instead"
         )
-    _SEPARATE.setdefault(model, set()).add(key)
+    _SEPARATE[model] = (versions, (passed if held_versions == versions else set()) | {key})
 
 
 def fallback_layers(model: nn.Module) -> list[str]:
