@@ -32,8 +32,9 @@ PLD_DISCRETIZATION = 1e-4
 MIN_NOISE_MULTIPLIER = 1e-3
 MAX_NOISE_MULTIPLIER = 1e4
 
-# Who added the noise: the releasing party itself, or a server it trusts (central mode).
-PLACEMENTS = ("local", "trusted-server")
+# Who added the noise: the releasing party itself, a server it trusts (central mode), or every
+# site a share of discrete noise inside a secure sum (distributed mode).
+PLACEMENTS = ("local", "trusted-server", "distributed")
 # Neighbouring data sets: one example added or removed (Poisson-subsampled mechanisms), or one
 # example replaced by another (single-pass Langevin: privacy amplification by iteration).
 ADJACENCIES = ("add-remove", "replace-one")
@@ -62,6 +63,12 @@ class PrivacyEvent:
             mode: the party sent unnoised sums to a server it trusts to add the noise).
         adjacency: "add-remove" (one example added or removed) or "replace-one" (one example
             replaced; single-pass Langevin). Events of different adjacency do not compose.
+        discrete_l2_scale, discrete_tau, dimension: a "distributed" release only (a sum of
+            discrete Gaussian shares over a secure sum): one example's largest move of the
+            quantised vector over the noise std of the sum, rounding included (at least
+            ``1 / accounting_noise_multiplier``); the divergence of a sum of discrete
+            Gaussians from one; the quantised vector's dimension. Accounted by
+            ``distributed_step_rdp``.
     """
 
     mechanism: str
@@ -73,6 +80,9 @@ class PrivacyEvent:
     round: int | None = None
     placement: str = "local"
     adjacency: str = "add-remove"
+    discrete_l2_scale: float = 0.0
+    discrete_tau: float = 0.0
+    dimension: int = 0
 
     def __post_init__(self) -> None:
         sigma = self.accounting_noise_multiplier
@@ -93,8 +103,26 @@ class PrivacyEvent:
         NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
         if not (isinstance(self.steps, int) and self.steps >= 1):
             raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        if self.is_distributed:
+            if not (isinstance(self.dimension, int) and self.dimension >= 1):
+                raise ValueError(f"a distributed event needs its dimension, got {self.dimension!r}")
+            if not (self.discrete_tau >= 0 and math.isfinite(self.discrete_tau)):
+                raise ValueError(f"discrete_tau must be finite and >= 0, got {self.discrete_tau}")
+            if not (sigma > 0 and self.discrete_l2_scale * sigma >= 1 - 1e-12):
+                raise ValueError(
+                    "a distributed event's discrete_l2_scale must be at least "
+                    f"1 / accounting_noise_multiplier, got {self.discrete_l2_scale}"
+                )
+        elif self.discrete_l2_scale or self.discrete_tau or self.dimension:
+            raise ValueError("discrete_l2_scale, discrete_tau, dimension: distributed events only")
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.placement == "distributed"
 
     def dp_event(self) -> dp_accounting.DpEvent:
+        if self.is_distributed:  # dp-accounting has no event for a subsampled sum of shares
+            return dp_accounting.UnsupportedDpEvent()
         if self.accounting_noise_multiplier == 0:
             return dp_accounting.NonPrivateDpEvent()
         gaussian = dp_accounting.GaussianDpEvent(self.accounting_noise_multiplier)
@@ -117,19 +145,26 @@ class PrivacyEvent:
         return cls(**data)
 
 
-def _merged(events: Iterable[PrivacyEvent]) -> list[tuple[float, float, int]]:
-    """(accounting sigma, q, steps), consecutive equal releases merged (faster PLD)."""
+def _merged(events: Iterable[PrivacyEvent]) -> list[tuple]:
+    """(accounting sigma, q, discrete l2 scale, tau, dimension, steps), consecutive equal
+    releases merged (faster PLD)."""
     events = list(events)
     if len({e.adjacency for e in events}) > 1:
         raise ValueError(
             "cannot compose events of different adjacency (add-remove and replace-one): "
             "their epsilons bound different neighbouring relations"
         )
-    merged: list[tuple[float, float, int]] = []
+    merged: list[tuple] = []
     for e in events:
-        key = (e.accounting_noise_multiplier, e.sample_rate)
-        if merged and merged[-1][:2] == key:
-            merged[-1] = (*key, merged[-1][2] + e.steps)
+        key = (
+            e.accounting_noise_multiplier,
+            e.sample_rate,
+            e.discrete_l2_scale,
+            e.discrete_tau,
+            e.dimension,
+        )
+        if merged and merged[-1][:5] == key:
+            merged[-1] = (*key, merged[-1][5] + e.steps)
         else:
             merged.append((*key, e.steps))
     return merged
@@ -140,7 +175,7 @@ def _gaussian_event(accounting_sigma: float, q: float, steps: int) -> PrivacyEve
 
 
 def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
-    parts = [_gaussian_event(*merged).dp_event() for merged in _merged(events)]
+    parts = [_gaussian_event(sigma, q, steps).dp_event() for sigma, q, *_, steps in _merged(events)]
     return dp_accounting.ComposedDpEvent(parts)
 
 
@@ -154,31 +189,113 @@ def _step_rdp(accounting_sigma: float, sample_rate: float) -> np.ndarray:
     return curve
 
 
+@functools.lru_cache(maxsize=256)
+def distributed_step_rdp(l2_scale: float, tau: float, dimension: int, sample_rate: float):
+    """The RDP curve (at ``RDP_ORDERS``) of one distributed discrete Gaussian release on a
+    Poisson sample of rate q.
+
+    Unsampled, it is the smaller of two zCDP curves (Kairouz, Liu & Steinke 2021, Thm. 1 and
+    Prop. 14): ``alpha l^2 / 2 + tau d`` and ``alpha (l + tau sqrt(d))^2 / 2``, each composed
+    by dp-accounting's ``ZCDpEvent``. Poisson subsampling follows Zhu & Wang (ICML 2019,
+    Thm. 5), the general bound for any mechanism at integer orders; dp-accounting has no such
+    event, and its tight subsampled Gaussian is not proven for discrete noise. A fractional
+    order takes the value of the next integer (RDP does not decrease with the order).
+    """
+
+    def unsampled(orders: np.ndarray) -> np.ndarray:
+        accountant = functools.partial(rdp.RdpAccountant, list(map(float, orders)))
+        plain = accountant().compose(dp_accounting.ZCDpEvent(l2_scale**2 / 2, tau * dimension))
+        spread = (l2_scale + tau * math.sqrt(dimension)) ** 2 / 2
+        return np.minimum(plain.rdp, accountant().compose(dp_accounting.ZCDpEvent(spread)).rdp)
+
+    curve = unsampled(np.asarray(RDP_ORDERS))
+    if sample_rate < 1:
+        integers = np.arange(2, math.ceil(max(RDP_ORDERS)) + 1)
+        at = dict(zip(integers.tolist(), unsampled(integers), strict=True))
+        sampled = {a: min(at[a], _poisson_subsampled(a, sample_rate, at)) for a in at}
+        curve = np.minimum(curve, [sampled[max(2, math.ceil(o))] for o in RDP_ORDERS])
+    curve.flags.writeable = False
+    return curve
+
+
+def _poisson_subsampled(order: int, q: float, rdp_at: dict) -> float:
+    """Zhu & Wang's Theorem 5 at integer ``order``: ``log((1-q)^(a-1) (a q - q + 1)
+    + C(a,2) q^2 (1-q)^(a-2) e^eps(2) + 3 sum_{l=3..a} C(a,l) (1-q)^(a-l) q^l e^((l-1) eps(l)))
+    / (a - 1)``, in log space."""
+    from scipy.special import gammaln, logsumexp
+
+    ls = np.arange(2, order + 1)
+    log_comb = gammaln(order + 1) - gammaln(ls + 1) - gammaln(order - ls + 1)
+    eps = np.array([rdp_at[int(l_)] for l_ in ls])
+    terms = log_comb + (order - ls) * math.log1p(-q) + ls * math.log(q) + (ls - 1) * eps
+    terms[0] = log_comb[0] + (order - 2) * math.log1p(-q) + 2 * math.log(q) + eps[0]
+    first = (order - 1) * math.log1p(-q) + math.log(order * q - q + 1)
+    weights = np.concatenate(([1.0], [1.0], np.full(len(ls) - 1, 3.0)))
+    return float(logsumexp(np.concatenate(([first], terms)), b=weights)) / (order - 1)
+
+
 def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
     """Epsilon at ``delta`` of the composition of ``events`` by RDP accounting."""
     _check_delta(delta)
     if not events:
         return 0.0
     total = np.zeros(len(RDP_ORDERS))
-    for sigma, q, steps in _merged(events):
+    for sigma, q, scale, tau, dimension, steps in _merged(events):
         if sigma == 0:
             return math.inf
-        total = total + steps * _step_rdp(sigma, q)
+        curve = distributed_step_rdp(scale, tau, dimension, q) if dimension else _step_rdp(sigma, q)
+        total = total + steps * curve
     eps, _ = rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)
     return float(eps)
 
 
 def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
-    """Epsilon at ``delta`` by privacy loss distributions (tighter than RDP)."""
+    """Epsilon at ``delta`` by privacy loss distributions (tighter than RDP); NaN when a
+    release is distributed (dp-accounting has no PLD for a sum of discrete Gaussian shares
+    over many coordinates: those are accounted by RDP only)."""
     _check_delta(delta)
     if not events:
         return 0.0
+    if any(e.is_distributed for e in events):
+        return math.nan
     accountant = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     return float(accountant.compose(compose(events)).get_epsilon(delta))
 
 
+def pld_text(epsilon: float, digits: int = 4) -> str:
+    """A PLD epsilon as reports print it ("n/a" for distributed releases, which have none)."""
+    if math.isnan(epsilon):
+        return "n/a (PLD: none for distributed noise; RDP applies)"
+    return f"{epsilon:.{digits}f} (PLD)"
+
+
 def _check_delta(delta: float) -> None:
     DELTA.check("delta", delta)
+
+
+def _bisect(
+    eps: Callable[[float], float],
+    target_epsilon: float,
+    tol: float,
+    event_for: Callable[[float], PrivacyEvent],
+) -> float:
+    """The smallest sigma (up to ``tol``) with ``eps(sigma) <= target`` by bisection (eps
+    decreases with sigma)."""
+    low, high = MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER
+    if eps(high) > target_epsilon:
+        raise ImpossibleTargetError(
+            f"epsilon={target_epsilon} is out of reach for {event_for(high).steps} distributed "
+            f"steps: even sigma={high:g} gives epsilon={eps(high):.4g}"
+        )
+    if eps(low) <= target_epsilon:
+        return low
+    while high - low > tol:
+        mid = (low + high) / 2 if high - low < 1 else math.sqrt(low * high)
+        if eps(mid) <= target_epsilon:
+            high = mid
+        else:
+            low = mid
+    return float(high)
 
 
 def calibrate(
@@ -201,6 +318,8 @@ def calibrate(
     def eps(sigma: float) -> float:
         return epsilon_rdp([event_for(sigma)], delta)
 
+    if event_for(1.0).is_distributed:  # no dp-accounting event: bisect on the RDP epsilon
+        return _bisect(eps, target_epsilon, tol, event_for)
     best = eps(MAX_NOISE_MULTIPLIER)
     if best > target_epsilon:
         example = event_for(MAX_NOISE_MULTIPLIER)

@@ -199,9 +199,7 @@ class PrivacyLedger:
             )
         try:
             events = [PrivacyEvent.from_dict(e) for e in data["events"]]
-            return cls(
-                data["delta"], data["budget_epsilon"], data["owner"], events=events, key=key
-            )
+            return cls(data["delta"], data["budget_epsilon"], data["owner"], events=events, key=key)
         except (KeyError, TypeError, ValueError) as err:
             raise LedgerError(f"{source} has an invalid entry: {err}") from err
 

@@ -35,9 +35,7 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     return min(1.0, tail + 2 * m * delta * float(window.max()))
 
 
-def epsilon_lower_bound(
-    m: int, r: int, v: int, delta: float, confidence: float = 0.95
-) -> float:
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float = 0.95) -> float:
     """The largest epsilon that ``v`` right guesses out of ``r`` reject at ``confidence``
     (0 when even epsilon = 0 is not rejected)."""
     alpha = 1.0 - confidence

@@ -104,9 +104,7 @@ class GradientCanaries(ReleaseObserver):
         norms = _clip_norms(self.mechanism)
         rows = self._residual[members] * (CANARY_NORM_FACTOR * norms[1])
         if self._embedding is not None:
-            rows = rows + subspace.lift(self._embedding[members]) * (
-                CANARY_NORM_FACTOR * norms[0]
-            )
+            rows = rows + subspace.lift(self._embedding[members]) * (CANARY_NORM_FACTOR * norms[0])
         return rows
 
     def on_release(self, release: NoisyRelease) -> None:
@@ -147,9 +145,7 @@ class GradientCanaries(ReleaseObserver):
         kinds = np.unique(self.kind)
         level = 1.0 - (1.0 - confidence) / len(kinds)
         fitted = max(
-            fitted_mu_lower_bound(
-                self.scores[self.kind == k], self.included[self.kind == k], level
-            )
+            fitted_mu_lower_bound(self.scores[self.kind == k], self.included[self.kind == k], level)
             for k in kinds
         )
         return replace(found, fitted_mu_lower_bound=fitted)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch.utils.data import Subset
 
+from gep_fed.accounting.events import pld_text
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.audit.bounds import METHOD, claimed_gdp_mu, gdp_epsilon
 from gep_fed.audit.canaries import CANARY_KINDS, GradientCanaries
@@ -287,7 +288,7 @@ def report_lines(result: AuditResult) -> list[str]:
         f"- audited: **{r.mechanism}**, mode **{r.mode}** (noise placement: {r.placement}), "
         f"{r.steps} release(s) at q = {r.sample_rate:g}, sigma = {r.noise_multiplier:.4f}",
         f"- claimed epsilon at delta = {r.delta:g}: {r.claimed_epsilon_rdp:.4f} (RDP), "
-        f"{r.claimed_epsilon_pld:.4f} (PLD)",
+        f"{pld_text(r.claimed_epsilon_pld)}",
         f"- audited lower bound ({r.confidence:.0%} confidence): epsilon >= "
         f"**{r.epsilon_lower_bound:.4f}** from {r.correct} right of {r.guesses} guesses about "
         f"{r.canaries} canaries ({', '.join(r.canary_kinds)}; {r.included} included)",

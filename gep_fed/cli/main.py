@@ -11,7 +11,7 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
-from gep_fed.accounting.events import ImpossibleTargetError, epsilon_pld, epsilon_rdp
+from gep_fed.accounting.events import ImpossibleTargetError, epsilon_pld, epsilon_rdp, pld_text
 from gep_fed.accounting.ledger import (
     LedgerError,
     PrivacyLedger,
@@ -157,11 +157,11 @@ def _print_summary(fed, result, wall: float) -> None:
         )
     elif ledger.exists():
         spent = PrivacyLedger.load(ledger)
-        who = "federation" if fed.mode == "central" else "each site"
+        who = "each site" if fed.mode == "client" else "federation"
         rows.append(
             (
                 f"epsilon spent ({who})",
-                f"{spent.epsilon():.3f} (RDP), {spent.epsilon('pld'):.3f} (PLD) {budget}",
+                f"{spent.epsilon():.3f} (RDP), {pld_text(spent.epsilon('pld'), 3)} {budget}",
             )
         )
     rows.append(("wall time", f"{wall:.1f} s"))
@@ -226,7 +226,7 @@ def _ledger_show(args: argparse.Namespace) -> int:
     print(f"ledger {path} ({verified})")
     print(f"  owner {ledger.owner!r}, {ledger.steps} accounted step(s)")
     print(
-        f"  epsilon {ledger.epsilon():.4f} (RDP), {ledger.epsilon('pld'):.4f} (PLD) at "
+        f"  epsilon {ledger.epsilon():.4f} (RDP), {pld_text(ledger.epsilon('pld'))} at "
         f"delta={ledger.delta:g}"
     )
     return 0
@@ -296,7 +296,7 @@ def _audit(args: argparse.Namespace) -> int:
         ("audited", f"{result.mechanism}, mode {result.mode} ({result.placement} noise)"),
         (
             "claimed epsilon",
-            f"{result.claimed_epsilon_rdp:.4f} (RDP), {result.claimed_epsilon_pld:.4f} (PLD) "
+            f"{result.claimed_epsilon_rdp:.4f} (RDP), {pld_text(result.claimed_epsilon_pld)} "
             f"at delta={result.delta:g}",
         ),
         (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gep_fed.accounting.events import pld_text
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory
 from gep_fed.flower.simulation import read_site_rounds, site_line
@@ -119,7 +120,7 @@ def render_report(run_dir: str | Path) -> Path:
         who = "the federation" if mode == "central" else "each participating site (expected)"
         lines.append(
             f"- privacy spent by {who}: epsilon = {ledger.epsilon():.4f} (RDP), "
-            f"{ledger.epsilon('pld'):.4f} (PLD) at delta = {ledger.delta:g} over "
+            f"{pld_text(ledger.epsilon('pld'))} at delta = {ledger.delta:g} over "
             f"{ledger.steps} accounted step(s)"
         )
     for path in sorted((run.path / "sites").glob("*/ledger.json")):  # simulated sites

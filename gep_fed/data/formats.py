@@ -89,8 +89,6 @@ def read_idx(path: str | Path) -> np.ndarray:
     return np.frombuffer(raw, np.uint8, offset=offset).reshape(dims)
 
 
-
-
 def _floats(value: float | Sequence[float], name: str) -> tuple[float, ...]:
     out = (float(value),) if np.ndim(value) == 0 else tuple(float(v) for v in value)
     if len(out) not in (1, 3):

@@ -173,8 +173,10 @@ def predict(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if device is None:
         device = next(model.parameters()).device
-    if isinstance(data, tuple | list) and len(data) == 2 and all(
-        isinstance(t, torch.Tensor) for t in data
+    if (
+        isinstance(data, tuple | list)
+        and len(data) == 2
+        and all(isinstance(t, torch.Tensor) for t in data)
     ):
         inputs, labels = data
         if len(inputs) != len(labels):

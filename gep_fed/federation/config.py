@@ -10,6 +10,7 @@ given, or calibrated to spend the budget over the run).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -32,7 +33,7 @@ from gep_fed.validation import (
     check_flag,
 )
 
-MODES = ("central", "client")
+MODES = ("central", "client", "distributed")
 BASIS_DTYPES = ("float32", "float16")
 BASIS_TRANSPORTS = ("basis", "rebuild")
 LEARNING_RATE = POSITIVE
@@ -66,8 +67,13 @@ class FederationConfig:
 
     Privacy fields:
         mode: "client" (default; each site adds its own noise and keeps its own ledger, the
-            server is not trusted) or "central" (sites send unnoised clipped sums to a
-            trusted server, which adds the noise once per round).
+            server is not trusted), "central" (sites send unnoised clipped sums to a
+            trusted server, which adds the noise once per round) or "distributed" (each site
+            adds a share of discrete noise to its quantised clipped sums and SecAgg+ shows
+            the server only their sum: central mode's noise without a trusted server).
+        noise_shares, quantization_bits: distributed mode: the sum must hold the noise of at
+            least ``noise_shares`` sites (0: all ``num_sites``; each adds 1/t of the
+            variance), quantised modulo ``2**quantization_bits``.
         mechanism: "gep", "bgep" or "gp".
         target_epsilon, delta: the budget. The server stops before a round that would exceed
             it; sigma is calibrated to spend exactly it over all rounds when
@@ -110,8 +116,16 @@ class FederationConfig:
     mode: str = _opt(
         "client",
         "client: each site noises its own updates and keeps its own ledger (untrusted "
-        "server); central: sites send unnoised clipped sums, the trusted server adds the noise",
+        "server); central: sites send unnoised clipped sums, the trusted server adds the "
+        "noise; distributed: each site adds a share of discrete noise and secure aggregation "
+        "(SecAgg+) shows the server only the sum",
     )
+    noise_shares: int = _opt(
+        0,
+        "distributed: the fewest sites whose noise shares the sum must hold (0: all "
+        "num-sites); fewer survivors abandon the round",
+    )
+    quantization_bits: int = _opt(20, "distributed: bits per coordinate of the secure sum")
     mechanism: str = _opt(
         "gep",
         "gep (unbiased, two releases per step), bgep, gp (DP-SGD), or langevin (noisy SGD "
@@ -245,6 +259,14 @@ class FederationConfig:
                 "mechanism langevin runs in client mode on a linear model only (its guarantee "
                 "needs a convex loss): use --mode client --model linear (or scatter-linear)"
             )
+        if self.mode == "distributed":
+            Range(0, integer=True).check("noise_shares", self.noise_shares)
+            if self.mechanism == "langevin" or self.noise_multiplier == 0:
+                raise ConfigError("distributed mode needs gep, bgep or gp with noise")
+            if self.shares_needed > self.num_sites:
+                raise ConfigError(
+                    f"noise_shares ({self.noise_shares}) cannot exceed num_sites ({self.num_sites})"
+                )
         if self.min_sites > self.num_sites:
             raise ConfigError(
                 f"min_sites ({self.min_sites}) cannot exceed num_sites ({self.num_sites})"
@@ -290,7 +312,12 @@ class FederationConfig:
     def steps_per_party(self) -> int:
         """Accounted releases over the whole run: per round one (central) or
         ``local_steps`` per site (client)."""
-        return self.rounds * (1 if self.mode == "central" else self.local_steps)
+        return self.rounds * (1 if self.mode != "client" else self.local_steps)
+
+    @property
+    def shares_needed(self) -> int:
+        """Distributed mode's t: the noise shares the secure sum must hold."""
+        return self.noise_shares or self.num_sites
 
     def run_directory(self, run_id: int | str) -> str:
         return str(Path(self.run_dir) / (self.run_name or f"run-{run_id}"))
@@ -309,6 +336,8 @@ class FederationConfig:
             return PrivacyContract(
                 "langevin", 0.0, self.sample_rate, **clips, langevin_beta0=self.langevin_beta0
             )
+        if self.mode == "distributed":
+            return self.distributed_contract(**clips)
         if self.noise_multiplier is not None:
             return PrivacyContract(self.mechanism, self.noise_multiplier, self.sample_rate, **clips)
         return PrivacyContract.for_budget(
@@ -318,6 +347,30 @@ class FederationConfig:
             self.sample_rate,
             self.steps_per_party,
             **clips,
+        )
+
+    def distributed_contract(self, **clips: float) -> PrivacyContract:
+        """Distributed mode's contract: sigma (given, or calibrated for the distributed
+        discrete Gaussian's accounting) and the quantisation step that fits the sum of
+        ``num_sites`` shares in ``2**quantization_bits``. It needs the quantised length (the
+        task's model size and k) and the largest plausible batch of the union (of
+        ``total_examples``, else the pooled data): public quantities."""
+        task = self.make_task()
+        num_params = sum(p.numel() for p in task.build_model().parameters() if p.requires_grad)
+        total = self.total_examples or len(task.train_dataset())
+        batch = self.sample_rate * total
+        base = PrivacyContract(
+            self.mechanism, self.noise_multiplier or 1.0, self.sample_rate, **clips
+        )
+        budget = None if self.noise_multiplier is not None else (self.target_epsilon, self.delta)
+        return base.with_distributed_noise(
+            self.shares_needed,
+            self.quantization_bits,
+            self.steps_per_party,
+            base.quantized_dimension(self.num_basis, num_params),
+            math.sqrt(base.mechanism_type.releases) * (batch + 8 * math.sqrt(batch) + 8),
+            self.num_sites,
+            budget,
         )
 
     @property

@@ -51,7 +51,11 @@ NODE_CONFIG_KEYS = {
     "new-ledger": "create the ledger, its key and mark where no key exists yet (first start)",
     "epsilon-budget": "the most epsilon this site will ever spend from this data (required)",
     "delta": "the delta of the site's guarantee (required)",
-    "accept-modes": "'client' (default) or 'client,central' (central trusts the server)",
+    "accept-modes": "'client' (default), or a list such as 'client,distributed' or "
+    "'client,central' (central trusts the server; distributed trusts secure aggregation)",
+    "max-colluding-sites": "distributed mode: how many other sites may collude with the "
+    "server (their noise shares are not counted); the site unmasks only when at least the "
+    "round's noise shares plus this many sites survive (default 0)",
     "release-metrics": "let a training loss leave the site, outside the guarantee (false)",
     "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
     "device": "auto (cuda when available), cpu or cuda",
@@ -78,7 +82,11 @@ class SitePolicy:
             None only together with ``allow_no_noise``.
         delta: the delta at which the site's ledger accounts and enforces the budget.
         accepted_modes: "client" only by default; "central" means trusting the server with
-            unnoised clipped sums, so it needs this explicit opt-in.
+            unnoised clipped sums, so it needs this explicit opt-in; "distributed" trusts
+            the server to follow SecAgg+ (it sees only the sum of the sites' shares).
+        max_colluding_sites: distributed mode: other sites that may collude with the server
+            (their noise shares are not counted). The site reveals its unmasking shares only
+            when at least ``noise_shares + max_colluding_sites`` sites are in the sum.
         release_metrics: let a raw training loss leave the site (outside the guarantee,
             labelled so everywhere). Off by default.
         allow_no_noise: accept sigma = 0, i.e. no privacy at all (tests only). Off by default.
@@ -92,6 +100,7 @@ class SitePolicy:
     release_metrics: bool = False
     allow_no_noise: bool = False
     noise_seed: int | None = None
+    max_colluding_sites: int = 0
 
     def __post_init__(self) -> None:
         if self.epsilon_budget is None and not self.allow_no_noise:
@@ -109,6 +118,15 @@ class SitePolicy:
         bad = [m for m in self.accepted_modes if m not in MODES]
         if bad or not self.accepted_modes:
             raise ConfigError(f"accept-modes must name modes from {list(MODES)}, got {bad}")
+        if not (isinstance(self.max_colluding_sites, int) and self.max_colluding_sites >= 0):
+            raise ConfigError(
+                f"max-colluding-sites must be an integer >= 0, got {self.max_colluding_sites!r}"
+            )
+
+    def survivors_needed(self, noise_shares: int) -> int:
+        """The fewest sites in a distributed sum for which this site reveals its unmasking
+        shares: the round's noise shares, from sites other than the colluders it assumes."""
+        return noise_shares + self.max_colluding_sites
 
     def admit(self, rc: RoundConfig, last_round: int | None) -> None:
         """Refuse (``RoundRefused``) a round this policy does not allow. The ledger's budget
@@ -120,6 +138,8 @@ class SitePolicy:
         noise_free = rc.privacy.noise_multiplier == 0 and not rc.privacy.is_langevin
         if noise_free and not self.allow_no_noise:
             raise RoundRefused("over budget")  # epsilon would be infinite
+        if (rc.mode == "distributed") != rc.privacy.is_distributed:
+            raise RoundRefused("malformed round")
 
 
 @dataclass(frozen=True)
@@ -232,6 +252,7 @@ class SiteConfig:
             release_metrics=get.flag("release-metrics"),
             allow_no_noise=no_noise,
             noise_seed=None if seed is None else seed + (pid or 0),
+            max_colluding_sites=get.integer("max-colluding-sites") or 0,
         )
         device = get.text("device") or "auto"
         if device not in DEVICES:

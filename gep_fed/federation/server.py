@@ -4,7 +4,10 @@ Central mode: the server adds one noise draw to the sum of the sites' clipped su
 reconstructs with the *declared* ``q * N`` and steps its optimiser; its ledger records one
 step per round for the union of the sites' data. Client-side mode: the server averages the
 sites' noisy deltas; its ledger tracks what each participating site is expected to have
-spent (each site's own ledger is the authority and enforces the site's budget).
+spent (each site's own ledger is the authority and enforces the site's budget). Distributed
+mode: as central mode, but the noise arrives inside the secure sum of the sites' quantised
+shares, which the server decodes (``apply_distributed``); its ledger records the release as
+distributed, with the accounting every site uses.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ class FederationServer:
         self.validation_data = task.validation_dataset()
         self.best: tuple[int, float] | None = None  # (round, validation score) kept so far
         self.noise = NoiseSource(cfg.noise_seed)
-        owner = "federation" if cfg.mode == "central" else "each-site (expected)"
+        owner = "each-site (expected)" if cfg.mode == "client" else "federation"
         # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
         budget = cfg.target_epsilon if self.contract.noise_multiplier > 0 else None
         self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, budget, owner, create=True)
@@ -147,7 +150,23 @@ class FederationServer:
             return []
         if self.cfg.mode == "central":
             return self.contract.events(1, party="federation", round=round_)
+        if self.cfg.mode == "distributed":
+            return self.contract.events(
+                1, party="federation", round=round_, dimension=self.quantized_dimension
+            )
         return self.contract.events(self.cfg.local_steps, party="each-site", round=round_)
+
+    @property
+    def num_basis(self) -> int | None:
+        """k of the current basis (before the first: the configured k, an upper bound)."""
+        if not self.mechanism.uses_subspace:
+            return None
+        return self.subspace.num_basis if self.subspace is not None else self.cfg.num_basis
+
+    @property
+    def quantized_dimension(self) -> int:
+        """The length of every site's quantised share in distributed mode."""
+        return self.contract.quantized_dimension(self.num_basis, self.layout.size)
 
     def epsilon_spent(self, site_epsilon_max: float | None) -> float:
         """The epsilon a run shows: the federation's ledger (central mode) or each site's
@@ -265,7 +284,28 @@ class FederationServer:
             *(None if t is None else t.to(self.device) for t in (total.embedding, total.residual))
         )
         self.ledger.check_budget(self.round_events(round_))
-        noisy = self.mechanism.add_noise(total, self.noise)
+        self._step(round_, self.mechanism.add_noise(total, self.noise))
+
+    def apply_distributed(self, round_: int, modular_sum: np.ndarray) -> None:
+        """Decode the secure sum of the sites' shares (noise included), reconstruct with q*N,
+        step, account."""
+        self.ledger.check_budget(self.round_events(round_))
+        residual = None if self.mechanism.name == "bgep" else self.layout.size
+        noisy = self.contract.distributed_noise.decode(
+            modular_sum, self.mechanism, round_, (self.num_basis, residual)
+        )
+        self._step(
+            round_,
+            ClippedSums(
+                *(
+                    None if t is None else t.to(self.device)
+                    for t in (noisy.embedding, noisy.residual)
+                ),
+                noised=True,
+            ),
+        )
+
+    def _step(self, round_: int, noisy: ClippedSums) -> None:
         self.observers.notify(
             NoisyRelease(
                 noisy, self.contract.noise_multiplier, self.contract.sample_rate, self.mechanism

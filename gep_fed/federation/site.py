@@ -7,6 +7,8 @@ computed, so a failure can over-count but never under-count.
 Central mode (only by the site's opt-in): one Poisson sample, clipped sums, *no noise*; the
 trusted server adds it. The site records the release as noised by a trusted server.
 Client-side mode: ``local_steps`` private steps with the site's own noise.
+Distributed mode (by opt-in): one Poisson sample's clipped sums, quantised, with the site's
+share of discrete noise (``gep_fed.mechanisms.distributed_noise``), for a secure sum.
 
 Data stay on disk until sampled: each step Poisson-samples indices, loads only those examples
 through a ``DataLoader`` over the sampled subset (worker processes, pinned memory and
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,10 +59,12 @@ def resolve_device(preference: str = "auto") -> torch.device:
 
 @dataclass(frozen=True)
 class SiteRelease:
-    """What a site sends for one round: clipped sums (central) or a noisy delta (client)."""
+    """What a site sends for one round: clipped sums (central), a noisy delta (client) or
+    its noised quantised share of a secure sum (distributed: int64 in ``[0, 2**bits)``)."""
 
     sums: ClippedSums | None = None
     delta: torch.Tensor | None = None
+    share: np.ndarray | None = None
 
 
 class Site:
@@ -182,11 +187,13 @@ class Site:
             raise ValueError(f"site {self.site_id}: needs its ledger")
         self.admit(rc, last_round)
         try:
-            self.ledger.check_budget(self.round_events(rc))
+            self.ledger.check_budget(self.round_events(rc, subspace))
         except BudgetExceededError:
             raise RoundRefused("over budget") from None
         if rc.mode == "central":
             return SiteRelease(sums=self.central_sums(subspace, rc))
+        if rc.mode == "distributed":
+            return SiteRelease(share=self.distributed_share(subspace, rc))
         return SiteRelease(delta=self.local_update(subspace, rc))
 
     def admit(self, rc: RoundConfig, last_round: int | None) -> None:
@@ -196,11 +203,22 @@ class Site:
             # another layout (a name twice, other shapes or groups) would mis-assign columns
             raise RoundRefused("malformed round")
 
-    def round_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
-        """What the round releases, as this site's ledger records it."""
+    def round_events(
+        self, rc: RoundConfig, subspace: AnchorSubspace | None = None
+    ) -> list[PrivacyEvent]:
+        """What the round releases, as this site's ledger records it (a distributed round's
+        dimension: this site's own model and the round's basis)."""
         if rc.mode == "central":
             return rc.privacy.events(
                 1, party=self.site_id, round=rc.round, placement="trusted-server"
+            )
+        if rc.mode == "distributed":
+            k = subspace.num_basis if subspace is not None else None
+            return rc.privacy.events(
+                1,
+                party=self.site_id,
+                round=rc.round,
+                dimension=rc.privacy.quantized_dimension(k, self.layout.size),
             )
         if rc.privacy.is_langevin:
             return self._langevin_trainer(rc).multi_pass_events(
@@ -215,6 +233,17 @@ class Site:
         """Clipped sums of one Poisson sample at the current weights: unnoised, for a server
         the site trusts. Recorded in the site's ledger as noised by that server."""
         self.ledger.record(*self.round_events(rc))
+        return self._clipped_sums(subspace, rc)
+
+    def distributed_share(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> np.ndarray:
+        """One Poisson sample's clipped sums, quantised with this site's share of discrete
+        noise (the round number seeds the public rotation): only the secure sum of all
+        shares may be revealed. Recorded in the site's ledger before it is computed."""
+        self.ledger.record(*self.round_events(rc, subspace))
+        sums = self._clipped_sums(subspace, rc)
+        return rc.privacy.distributed_noise.encode(sums, rc.privacy.build_mechanism(), rc.round)
+
+    def _clipped_sums(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> ClippedSums:
         sub = subspace.to(self.device) if subspace is not None else None
         extra = self.observers.rows(sub, rc.privacy.sample_rate)
         return clipped_sums_of_batches(

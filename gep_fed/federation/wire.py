@@ -55,6 +55,7 @@ REFUSALS = {
     "over budget": 603,
     "replayed round": 604,
     "site error": 605,
+    "too few sites": 606,
 }
 
 

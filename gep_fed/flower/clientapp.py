@@ -1,7 +1,9 @@
 """Flower ClientApp helper: one site. Thin: Flower records in, ``federation.site`` calls, out.
 
-What leaves the site: the clipped sums (central mode, only if the site's policy accepts it)
-or the noisy model delta (client-side mode), plus data-free metrics (bytes received, basis
+What leaves the site: the clipped sums (central mode, only if the site's policy accepts it),
+the noisy model delta (client-side mode), or, in distributed mode and only through Flower's
+SecAgg+ mod (``gep_fed.flower.secure_sum``), the site's masked noised share, plus data-free
+metrics (bytes received, basis
 id, steps, the site's epsilon, which depends on public parameters only). A raw training loss
 leaves only when the *site's* policy allows it, under a key that says it is outside the
 guarantee. Every failure becomes a reply with a fixed reason code (``wire.REFUSALS``); the
@@ -39,6 +41,13 @@ from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig, simulated_site_name
 from gep_fed.federation.site import Site, resolve_device, site_dataset
+from gep_fed.flower.secure_sum import (
+    RECORD_KEY_CONFIGS,
+    SecureSumDeclined,
+    SiteGuard,
+    check_round_settings,
+    secure_sum_mod,
+)
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import ConfigError
 
@@ -199,6 +208,11 @@ def _train(
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     # Policy and layout first: a refused round changes nothing the site holds.
     site.admit(rc, last_round)
+    if rc.mode == "distributed":
+        # A share leaves only masked, through the secure sum's collect stage (the mod).
+        if RECORD_KEY_CONFIGS not in msg.content.config_records:
+            raise wire.RoundRefused("malformed round")
+        check_round_settings(context.state, rc.privacy.quantization_bits, rc.privacy.noise_shares)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
     subspace, received = _basis(msg, context, rc, site)
@@ -207,6 +221,13 @@ def _train(
     metrics = {"basis-bytes-received": received, BASIS_ID_KEY: rc.basis_id}
     if release.sums is not None:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
+    elif release.share is not None:  # in the legacy form Flower's SecAgg+ mod masks
+        payload = {
+            "fitres.parameters": _arrays({"share": release.share}),
+            "fitres.num_examples": MetricRecord({"num_examples": 1}),
+            "fitres.metrics": ConfigRecord({}),
+            "fitres.status": ConfigRecord({"code": 0, "message": ""}),
+        }
     else:
         delta = wire.encode_delta(site.layout, release.delta)
         payload = {wire.MODEL_DELTA: _arrays(delta)}
@@ -240,7 +261,7 @@ def handle_train(
         reply = _train(msg, context, fed, simulation)
         _note_simulated_outcome(msg, context, fed, simulation, "accepted", None)
         return reply
-    except wire.RoundRefused as refused:
+    except (wire.RoundRefused, SecureSumDeclined) as refused:
         reason, cause = refused.reason, None
         log.warning("round refused: %s", reason)
     except (wire.WireError, ConfigError, KeyError) as err:
@@ -299,12 +320,14 @@ def make_client_app(
     deployed site's settings, its task included, come only from its node config: it never
     builds a configuration from the run config, so no string the server sends is imported
     there."""
-    client = ClientApp()
+
+    def guard(context: Context) -> SiteGuard:
+        return SiteGuard(_site(context, fed, simulation).policy.max_colluding_sites)
+
+    client = ClientApp(mods=[secure_sum_mod(guard, refusal)])
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
         return handle_train(msg, context, fed, simulation)
 
     return client
-
-

@@ -93,7 +93,7 @@ def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
     out = {}
     for path in sorted((Path(run_dir) / "sites").glob(f"*/{SITE_ROUNDS}")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        out[path.parent.name] = sorted(rows, key=lambda r: (r.get("round") or 0))
+        out[path.parent.name] = sorted(rows, key=lambda r: r.get("round") or 0)
     return out
 
 
@@ -183,7 +183,7 @@ def simulate(
     bad = {site: found for site, found in problems.items() if found}
     if bad and not drop_bad_examples:
         raise SiteCheckFailed(_site_check_text(bad))
-    if site_data and fed.mode == "central" and fed.total_examples is None:
+    if site_data and fed.mode != "client" and fed.total_examples is None:
         task = fed.make_task()
         total = sum(len(task.site_dataset(path)) for path in site_data.values())
         fed = replace(fed, total_examples=total)

@@ -3,7 +3,8 @@
 Each round: stop if the round would exceed the budget; compute the anchor subspace (when due)
 and send weights, basis and round config to every site; validate every reply (a bad one is
 rejected, named in the log and in the round's metrics, and the round goes on with the
-others); aggregate with central noise or average the sites' noisy deltas; evaluate on the
+others); aggregate with central noise, average the sites' noisy deltas, or (distributed)
+run the secure sum of the sites' noised shares over SecAgg+ and decode it; evaluate on the
 server's data (and with the caller's ``evaluate_fn``); record the round in the ledger,
 checkpoint, and append the round's metrics.
 """
@@ -36,6 +37,7 @@ from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import CONFIG, RunDirectory
 from gep_fed.federation.server import FederationServer
+from gep_fed.flower.secure_sum import SecureSum
 
 log = logging.getLogger("gep_fed.server")
 
@@ -173,7 +175,7 @@ class GEPStrategy(Strategy):
         try:
             task = fed.make_task()
             total = fed.total_examples
-            if total is None and fed.mode == "central":  # a simulation: the pooled data
+            if total is None and fed.mode != "client":  # a simulation: the pooled data
                 total = len(task.train_dataset())
                 log.info("total-examples not declared: the simulation's pooled size N=%d", total)
             server = FederationServer(fed, task, run, total)
@@ -416,6 +418,71 @@ class GEPStrategy(Strategy):
         info["applied"] = True
         return self.global_arrays(), MetricRecord(train_metrics)
 
+    def _share_problem(self, server_round: int, node: int, msg: Message) -> str | None:
+        """Why a site's collect-stage reply is rejected (its masked share is then left out
+        of the sum like a dropped site's), or None."""
+        meta = msg.content.config_records.get(wire.REPLY_META)
+        sender = f"site at node {node}"
+        try:
+            if meta is None:
+                raise wire.WireError(sender, wire.REPLY_META, "missing")
+            wire.check_reply_meta(meta, sender, server_round, self.cfg.mode)
+        except wire.WireError as err:
+            return str(err)
+        return None
+
+    def secure_train(
+        self, server_round: int, messages: Iterable[Message], grid: Grid, timeout: float | None
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Distributed mode's round: the secure sum of the sites' noised shares (SecAgg+,
+        ``gep_fed.flower.secure_sum``), decoded and stepped like central mode. With fewer
+        than ``noise_shares`` (or ``min_sites``) survivors the round is abandoned: nothing is
+        unmasked, the model is unchanged and the server accounts nothing."""
+        server = self.server
+        needed = max(self.cfg.shares_needed, self.cfg.min_sites)
+        result = SecureSum(
+            grid,
+            server.contract.quantization_bits,
+            needed,
+            timeout=timeout,
+            group_id=str(server_round),
+        ).run(
+            {m.metadata.dst_node_id: m.content for m in messages},
+            lambda node, msg: self._share_problem(server_round, node, msg),
+        )
+        for failure in result.failures:
+            log.warning("round %d: %s", server_round, failure)
+        info = self._round_info
+        info["rejected"] = result.failures
+        metrics = {
+            n: dict(r.content.metric_records.get(wire.REPLY_METRICS, {}))
+            for n, r in result.replies.items()
+        }
+        for node, m in metrics.items():
+            if m.get("basis-id", -1) >= 0:
+                self._basis_held[node] = int(m["basis-id"])
+        total = result.modular_sum
+        if total is not None and total.shape != (server.quantized_dimension,):
+            info["rejected"] = [*result.failures, f"the secure sum has shape {total.shape}"]
+            total = None
+        if total is None:
+            info.update(sites_ok=0, applied=False)
+            log.warning(
+                "round %d: the secure sum was abandoned (%d of the %d sites its noise needs "
+                "survived): nothing is unmasked or accounted",
+                server_round,
+                len(result.survivors),
+                needed,
+            )
+            return None, None
+        server.apply_distributed(server_round, total)
+        info.update(sites_ok=len(result.survivors), applied=True)
+        reported = [m["site-epsilon"] for m in metrics.values() if "site-epsilon" in m]
+        if reported:
+            info["site_epsilon_max"] = max(reported)
+        train = {"sites-ok": len(result.survivors), "sites-rejected": len(result.failures)}
+        return self.global_arrays(), MetricRecord(train)
+
     # -- no federated evaluation: a site's accuracy on its own data would be a release --
 
     def configure_evaluate(
@@ -524,10 +591,12 @@ class GEPStrategy(Strategy):
                 log.warning(self.stop_reason)
                 break
             began = time.perf_counter()
-            replies = grid.send_and_receive(
-                messages=self.configure_train(rnd, arrays, ConfigRecord(), grid), timeout=timeout
-            )
-            new_arrays, train_metrics = self.aggregate_train(rnd, replies)
+            messages = self.configure_train(rnd, arrays, ConfigRecord(), grid)
+            if self.cfg.mode == "distributed":
+                new_arrays, train_metrics = self.secure_train(rnd, messages, grid, timeout)
+            else:
+                replies = grid.send_and_receive(messages=messages, timeout=timeout)
+                new_arrays, train_metrics = self.aggregate_train(rnd, replies)
             if new_arrays is not None:
                 arrays = new_arrays
             if train_metrics is not None:

@@ -12,8 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
-from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.accounting.events import PrivacyEvent, calibrate
 from gep_fed.mechanisms.clip_bounds import CLIP_BOUND
+from gep_fed.mechanisms.distributed_noise import (
+    DistributedNoise,
+    distributed_event,
+    padded_dimension,
+)
 from gep_fed.mechanisms.mechanism import GP, Mechanism, calibrate_noise_multiplier, mechanism_class
 from gep_fed.validation import NOISE_MULTIPLIER, PROBABILITY, ConfigError, Range, check_choice
 
@@ -52,6 +57,12 @@ class PrivacyContract:
         langevin_beta0: Langevin's prior variance. It scales the noise and the step sizes of
             the multi-pass schedule together, so it shapes training, not privacy: multi-pass
             epsilon depends only on the steps, the batch, n and delta.
+        noise_shares, quantization_bits, quantization_step: distributed mode only (0
+            otherwise; ``gep_fed.mechanisms.distributed_noise``): the sum must hold the noise
+            shares of at least ``noise_shares`` sites, each adding 1/t of the variance as
+            discrete Gaussian noise on its clipped sums quantised with this step (in clip
+            norms) modulo ``2**quantization_bits``. The step grows the sensitivity and
+            every site's ledger accounts for it.
     """
 
     mechanism: str
@@ -61,6 +72,9 @@ class PrivacyContract:
     clip_residual: float = DEFAULT_CLIP_RESIDUAL
     clip_norm: float = DEFAULT_CLIP_NORM
     langevin_beta0: float = 0.0
+    noise_shares: int = 0
+    quantization_bits: int = 0
+    quantization_step: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
@@ -70,6 +84,30 @@ class PrivacyContract:
             CLIP_BOUND.check(name, getattr(self, name))
         beta0 = Range(0, low_open=self.is_langevin)
         beta0.check("langevin_beta0", self.langevin_beta0)
+        if self.is_distributed:
+            if self.is_langevin:
+                raise ConfigError("langevin runs in client mode only, not distributed")
+            _ = self.distributed_noise  # validates t, bits and step
+        elif self.quantization_bits or self.quantization_step:
+            raise ConfigError("quantization-bits and -step are for distributed mode only")
+
+    @property
+    def is_distributed(self) -> bool:
+        """Noise shared among sites inside a secure sum (distributed mode)."""
+        return self.noise_shares != 0
+
+    @property
+    def distributed_noise(self) -> DistributedNoise:
+        if not self.is_distributed:
+            raise ValueError("this contract is not for distributed mode")
+        return DistributedNoise(self.noise_shares, self.quantization_bits, self.quantization_step)
+
+    def quantized_dimension(self, num_basis: int | None, num_params: int) -> int:
+        """The length of a site's quantised release: embedding (k) and residual (p) as the
+        mechanism releases them, padded to a power of two."""
+        cls = self.mechanism_type
+        length = (num_basis or 0) * cls.uses_subspace + num_params * (cls.name != "bgep")
+        return padded_dimension(length)
 
     @classmethod
     def for_budget(
@@ -122,11 +160,13 @@ class PrivacyContract:
         party: str = "",
         round: int | None = None,
         placement: str = "local",
+        dimension: int | None = None,
     ) -> list[PrivacyEvent]:
         """``steps`` releases under this contract, one event each (each carries its round).
         ``count_noise``: each also releases a count noised with that std (adaptive S2).
-        Langevin's events depend on the step index and the data size: ``LangevinTrainer``
-        builds those."""
+        A distributed contract's events are placed "distributed" and need ``dimension``, the
+        quantised release's length (``quantized_dimension``). Langevin's events depend on
+        the step index and the data size: ``LangevinTrainer`` builds those."""
         if self.is_langevin:
             raise ValueError("Langevin events come from LangevinTrainer.multi_pass_events")
         event = self.mechanism_type.event(
@@ -137,6 +177,12 @@ class PrivacyContract:
             round=round,
             placement=placement,
         )
+        if self.is_distributed:
+            if count_noise is not None or dimension is None:
+                raise ValueError("a distributed release needs its dimension and no count")
+            event = distributed_event(
+                event, self.distributed_noise, dimension, self.mechanism_type.releases
+            )
         return [event] * steps
 
     def with_noise(self, noise_multiplier: float) -> PrivacyContract:
@@ -145,6 +191,49 @@ class PrivacyContract:
     def to_record(self, prefix: str = "privacy.") -> dict:
         """Flat ``{prefix + field: value}`` (a Flower ConfigRecord holds scalars only)."""
         return {prefix + k: v for k, v in asdict(self).items()}
+
+    def with_distributed_noise(
+        self,
+        noise_shares: int,
+        bits: int,
+        steps: int,
+        dimension: int,
+        max_norm: float,
+        max_sites: int,
+        budget: tuple[float, float] | None,
+    ) -> PrivacyContract:
+        """This contract in distributed mode: the quantisation step that fits the sum in
+        ``2**bits`` (``DistributedNoise.for_sum``) and, with a ``budget`` (epsilon, delta),
+        the smallest sigma whose ``steps`` distributed releases stay within it. The step
+        depends on sigma and sigma on the step: sigma is calibrated without rounding, the
+        step fitted to it, then sigma calibrated again at that step (the noise grows
+        slightly, so the range still fits)."""
+
+        def fitted(sigma: float) -> PrivacyContract:
+            noise = DistributedNoise.for_sum(
+                max(sigma, 1e-3), noise_shares, bits, dimension, max_norm, max_sites
+            )
+            return replace(
+                self,
+                noise_multiplier=sigma,
+                noise_shares=noise_shares,
+                quantization_bits=bits,
+                quantization_step=noise.step,
+            )
+
+        if budget is None:
+            return fitted(self.noise_multiplier)
+        epsilon, delta = budget
+
+        def sigma_for(step: float) -> float:
+            def event_for(s: float) -> PrivacyEvent:
+                c = replace(fitted(s), quantization_step=step)
+                return replace(c.events(1, dimension=dimension)[0], steps=steps)
+
+            return calibrate(epsilon, delta, event_for)
+
+        first = fitted(sigma_for(1e-12))
+        return replace(first, noise_multiplier=sigma_for(first.quantization_step))
 
     @classmethod
     def from_record(cls, record: Mapping, prefix: str = "privacy.") -> PrivacyContract:
@@ -156,7 +245,8 @@ class PrivacyContract:
             if key not in record:
                 raise ConfigError(f"{key} is missing")
             value = record[key]
-            if f.name != "mechanism" and isinstance(value, int) and not isinstance(value, bool):
+            is_float = f.name not in ("mechanism", "noise_shares", "quantization_bits")
+            if is_float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             values[f.name] = value
         return cls(**values)

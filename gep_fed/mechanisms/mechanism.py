@@ -233,7 +233,6 @@ def _nonfinite_rows(norms: torch.Tensor) -> torch.Tensor | None:
     return bad if bool(bad.any()) else None
 
 
-
 @dataclass(frozen=True)
 class GEP(Mechanism):
     """Gradient Embedding Perturbation: embedding and residual clipped and noised separately.
@@ -285,9 +284,7 @@ class GEP(Mechanism):
         resid_norm = (resid2 * (1 + 8 * U64)).sqrt() * (1 + 2 * U64)
         # The released residual s (g - B W) is computed as fl(s g) - fl(B fl(s W)): each
         # product rounds by u, the lift by gamma(k_g, u) |B| |s W|, the difference by u.
-        lift_error = (u + gamma(max(subspace.dims), u) * (1 + u)) * max(
-            subspace.frobenius_norms
-        )
+        lift_error = (u + gamma(max(subspace.dims), u) * (1 + u)) * max(subspace.frobenius_norms)
         release = (1 + u) * (resid_norm + u * grad_norm + lift_error * emb_norm)
         return PerExampleClipping(
             embedding=emb,

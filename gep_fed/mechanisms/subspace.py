@@ -88,9 +88,7 @@ class AnchorSubspace:
             torch.matmul(grads[:, cols], basis.to(grads.dtype), out=out[:, ks])
         return out
 
-    def embed_bounded(
-        self, grads: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def embed_bounded(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``embed``, with a proven bound on its rounding error.
 
         Returns the embedding ``W`` (``grads``' dtype), per row an upper bound on
@@ -163,7 +161,7 @@ class AnchorSubspace:
             return self
         stacked = torch.stack([d.to(self.device, self.bases[0].dtype) for d in directions], 1)
         bases = []
-        for (cols, _, basis) in self._pairs():
+        for cols, _, basis in self._pairs():
             extra = stacked[cols]
             for _ in range(2):  # twice: one Gram-Schmidt pass loses orthogonality in float32
                 extra = extra - basis @ (basis.T @ extra)

@@ -1,0 +1,230 @@
+"""Distributed discrete Gaussian noise (Kairouz, Liu & Steinke, ICML 2021) for secure sums.
+
+In distributed mode each site turns its clipped sums into integers and adds its *share* of
+the noise; secure aggregation (SecAgg+) shows the server only the sum modulo ``2**bits``, which
+carries the noise of every site in it. Per site and step:
+
+1. normalise: the released vectors divided by their clip norms and concatenated (GEP:
+   embedding / S1 and residual / S2, so one example moves it by at most sqrt(2)), padded to
+   ``d = 2**ceil(log2(length))``;
+2. rotate with a randomised Hadamard transform (random signs from a public per-round seed):
+   it spreads the vector over the coordinates, so few wrap around the modulus; any rotation
+   keeps L2 norms, so privacy does not depend on the seed;
+3. scale by ``1 / step`` and round each coordinate up or down at random (unbiased);
+4. add a discrete Gaussian of scale ``sigma / (step * sqrt(noise_shares))`` per coordinate,
+   drawn by OpenDP's exact sampler from the operating system's randomness;
+5. reduce modulo ``2**bits``.
+
+Sensitivity after rounding: coupling the rounding of two neighbouring inputs on the same
+uniform draws moves each coordinate by at most one more unit, so one example moves the
+rounded vector by at most ``sqrt(r) / step + sqrt(d)`` units (r releases per step); the
+accountant uses that bound (``DistributedNoise.l2_scale``) with the divergence of a sum of
+discrete Gaussians from one (``tau``). The server maps the modular sum back to the centred
+range, unscales, rotates back and splits it into the noised clipped sums.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
+from gep_fed.validation import ConfigError
+
+MIN_BITS, MAX_BITS = 8, 24
+# The modular range must cover this many standard deviations of a coordinate of the sum.
+RANGE_STDS = 8.0
+
+
+def padded_dimension(length: int) -> int:
+    """The quantised vector's dimension: ``length`` padded to a power of two."""
+    return 1 << max(0, math.ceil(math.log2(max(length, 1))))
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard transform of a vector whose length is a power of two
+    (its own inverse)."""
+    d = x.numel()
+    y = x.clone()
+    h = 1
+    while h < d:
+        y = y.view(-1, 2, h)
+        y = torch.stack((y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]), dim=1)
+        h *= 2
+    return y.reshape(d) / math.sqrt(d)
+
+
+def rotation_signs(seed: int, dimension: int) -> torch.Tensor:
+    """The rotation's random signs: public, the same at every site of a round."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (dimension,), generator=gen, dtype=torch.float64) * 2 - 1
+
+
+@lru_cache(maxsize=16)
+def _gaussian_sampler(scale: float):
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    return dp.m.make_gaussian(
+        dp.vector_domain(dp.atom_domain(T="i64")), dp.l2_distance(T="i64"), scale
+    )
+
+
+def discrete_gaussian(values: np.ndarray, scale: float) -> np.ndarray:
+    """``values`` plus independent discrete Gaussian noise of ``scale`` per coordinate
+    (OpenDP's exact sampler, seeded from the operating system)."""
+    noisy = _gaussian_sampler(float(scale))([int(v) for v in values])
+    return np.asarray(noisy, dtype=np.int64)
+
+
+def distributed_event(
+    event: PrivacyEvent, noise: DistributedNoise, dimension: int, releases: int
+) -> PrivacyEvent:
+    """``event`` (a mechanism's Gaussian event at sigma, ``releases`` vectors per step) as a
+    distributed discrete Gaussian release of a quantised vector of ``dimension`` coordinates."""
+    return replace(
+        event,
+        placement="distributed",
+        discrete_l2_scale=noise.l2_scale(event.noise_multiplier, releases, dimension),
+        discrete_tau=noise.tau(event.noise_multiplier),
+        dimension=dimension,
+    )
+
+
+def release_clips(mechanism: Mechanism) -> tuple[float | None, float | None]:
+    """The clip norms of the (embedding, residual) releases: what normalises each to norm 1
+    per example (None: the mechanism releases no such vector)."""
+    if mechanism.name == "gp":
+        return None, mechanism.clip_norm
+    if mechanism.name == "bgep":
+        return mechanism.clip_embedding, None
+    return mechanism.clip_embedding, mechanism.clip_residual
+
+
+@dataclass(frozen=True)
+class DistributedNoise:
+    """How a site quantises and noises its clipped sums in distributed mode.
+
+    Attributes:
+        noise_shares: t, how many sites' noise the sum must hold: each site adds
+            ``1 / t`` of the noise variance, so the sum over at least t honest sites carries
+            the full noise. A site refuses to unmask when fewer survive.
+        bits: the modulus ``2**bits`` of the secure sum (each coordinate's range).
+        step: the quantisation step, in units of the clip norms; finer steps grow the
+            sensitivity less but wrap around the modulus sooner.
+    """
+
+    noise_shares: int
+    bits: int
+    step: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.noise_shares, int) and self.noise_shares >= 1):
+            raise ConfigError(f"noise-shares must be an integer >= 1, got {self.noise_shares!r}")
+        if not (isinstance(self.bits, int) and MIN_BITS <= self.bits <= MAX_BITS):
+            raise ConfigError(
+                f"quantization-bits must be an integer in [{MIN_BITS}, {MAX_BITS}], "
+                f"got {self.bits!r}"
+            )
+        if not (math.isfinite(self.step) and self.step > 0):
+            raise ConfigError(f"quantization-step must be a finite number > 0, got {self.step}")
+
+    @property
+    def modulus(self) -> int:
+        return 1 << self.bits
+
+    @classmethod
+    def for_sum(
+        cls,
+        noise_multiplier: float,
+        noise_shares: int,
+        bits: int,
+        dimension: int,
+        max_norm: float,
+        max_sites: int,
+    ) -> DistributedNoise:
+        """The step at which ``RANGE_STDS`` standard deviations of a coordinate of the sum
+        fit in the modulus: a rotated sum of norm ``max_norm`` (normalised units) spreads
+        ``max_norm / sqrt(dimension)`` per coordinate, and ``max_sites`` sites add
+        ``sigma**2 * max_sites / t`` of noise variance. Public inputs only."""
+        spread = math.sqrt(
+            max_norm**2 / dimension + noise_multiplier**2 * max_sites / noise_shares + 1e-12
+        )
+        return cls(noise_shares, bits, 2 * RANGE_STDS * spread / (1 << bits))
+
+    def share_scale(self, noise_multiplier: float) -> float:
+        """Each site's discrete Gaussian scale, in quantisation units."""
+        return noise_multiplier / (self.step * math.sqrt(self.noise_shares))
+
+    def l2_scale(self, noise_multiplier: float, releases: int, dimension: int) -> float:
+        """One example's largest move of the rounded vector over the noise std of the sum of
+        t shares: ``(sqrt(releases) + step * sqrt(dimension)) / sigma``."""
+        return (math.sqrt(releases) + self.step * math.sqrt(dimension)) / noise_multiplier
+
+    def tau(self, noise_multiplier: float) -> float:
+        """The divergence of a sum of t discrete Gaussians from one (Kairouz et al., Thm. 1):
+        ``10 * sum_{k<t} exp(-2 pi^2 s^2 k / (k + 1))`` for share scale s."""
+        s2 = self.share_scale(noise_multiplier) ** 2
+        terms = (math.exp(-2 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, self.noise_shares))
+        return 10 * sum(terms)
+
+    # -- a site's side ------------------------------------------------------------------
+
+    def encode(
+        self,
+        sums: ClippedSums,
+        mechanism: Mechanism,
+        rotation_seed: int,
+    ) -> np.ndarray:
+        """A site's clipped sums as its noised share of the secure sum: int64 in
+        ``[0, 2**bits)`` (normalise, rotate, round at random, add the noise share, reduce)."""
+        if sums.noised:
+            raise ValueError("distributed mode quantises unnoised clipped sums")
+        flat = normalised(sums, mechanism)
+        d = padded_dimension(flat.numel())
+        x = torch.zeros(d, dtype=torch.float64)
+        x[: flat.numel()] = flat
+        rotated = hadamard(x * rotation_signs(rotation_seed, d)) / self.step
+        gen = torch.Generator().manual_seed(secrets.randbits(63))
+        rounded = torch.floor(rotated + torch.rand(d, generator=gen, dtype=torch.float64))
+        noisy = discrete_gaussian(rounded.numpy(), self.share_scale(mechanism.noise_multiplier))
+        return np.mod(noisy, self.modulus)
+
+    # -- the server's side ---------------------------------------------------------------
+
+    def decode(
+        self, modular_sum: np.ndarray, mechanism: Mechanism, rotation_seed: int, shapes: tuple
+    ) -> ClippedSums:
+        """The noised clipped sums from the secure sum (mod ``2**bits``) of the sites'
+        ``encode`` outputs. ``shapes``: (embedding length or None, residual length or None)."""
+        m = self.modulus
+        centred = np.where(modular_sum >= m // 2, modular_sum - m, modular_sum).astype(np.float64)
+        d = centred.size
+        x = torch.from_numpy(centred) * self.step
+        flat = hadamard(x) * rotation_signs(rotation_seed, d)
+        clips = release_clips(mechanism)
+        parts, start = [], 0
+        for length, clip in zip(shapes, clips, strict=True):
+            if length is None:
+                parts.append(None)
+                continue
+            parts.append((flat[start : start + length] * clip).float())
+            start += length
+        return ClippedSums(parts[0], parts[1], noised=True)
+
+
+def normalised(sums: ClippedSums, mechanism: Mechanism) -> torch.Tensor:
+    """The released vectors divided by their clip norms and concatenated (float64, CPU)."""
+    parts = []
+    for value, clip in zip((sums.embedding, sums.residual), release_clips(mechanism), strict=True):
+        if (value is None) != (clip is None):
+            raise ValueError(f"{mechanism.name} sums do not match the mechanism's releases")
+        if value is not None:
+            parts.append(value.detach().to("cpu", torch.float64).reshape(-1) / clip)
+    return torch.cat(parts)
