@@ -49,7 +49,7 @@ def final_weights(run_dir) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in state.values()])
 
 
-@pytest.mark.parametrize("mode", ["client", "central"])
+@pytest.mark.parametrize("mode", ["client", "central", "distributed"])
 def test_three_site_simulation_trains_and_accounts_every_release(tmp_path, mode):
     fed = FederationConfig(
         mode=mode, rounds=3, run_dir=str(tmp_path), run_name="r", basis_refresh=2, **FAST
@@ -65,6 +65,16 @@ def test_three_site_simulation_trains_and_accounts_every_release(tmp_path, mode)
         ledger = PrivacyLedger.load(result.run_dir / "ledger.json")
         assert ledger.steps == 3 and [e.round for e in ledger.events] == [1, 2, 3]
         assert ledger.epsilon() == pytest.approx(fresh_epsilon(accounted, 0.2, 3, 1e-5), rel=1e-9)
+    elif mode == "distributed":  # one release per round, accounted alike by all parties
+        ledger = PrivacyLedger.load(result.run_dir / "ledger.json")
+        assert ledger.steps == 3 and {e.placement for e in ledger.events} == {"distributed"}
+        for site in range(3):
+            path = result.run_dir / "sites" / f"site-{site}" / "ledger.json"
+            own = PrivacyLedger.load_keyed(path)
+            assert [e.round for e in own.events] == [1, 2, 3]
+            assert own.epsilon() == pytest.approx(ledger.epsilon(), rel=1e-9)
+        # the discrete noise costs more than the continuous Gaussian it approaches
+        assert ledger.epsilon() > fresh_epsilon(accounted, 0.2, 3, 1e-5)
     else:
         for site in range(3):
             path = result.run_dir / "sites" / f"site-{site}" / "ledger.json"

@@ -29,6 +29,8 @@ logging.getLogger("absl").addFilter(lambda record: "failed to converge" not in r
 # Opacus' RDP orders, with high orders for small epsilons after many steps.
 RDP_ORDERS: tuple[float, ...] = tuple(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 PLD_DISCRETIZATION = 1e-4
+# Distributed releases: the highest order at which Poisson subsampling is applied.
+SUBSAMPLED_MAX_ORDER = 256
 MIN_NOISE_MULTIPLIER = 1e-3
 MAX_NOISE_MULTIPLIER = 1e4
 
@@ -209,11 +211,16 @@ def distributed_step_rdp(l2_scale: float, tau: float, dimension: int, sample_rat
         return np.minimum(plain.rdp, accountant().compose(dp_accounting.ZCDpEvent(spread)).rdp)
 
     curve = unsampled(np.asarray(RDP_ORDERS))
-    if sample_rate < 1:
-        integers = np.arange(2, math.ceil(max(RDP_ORDERS)) + 1)
+    if sample_rate < 1:  # amplified up to order 256 (the cost grows with its square)
+        integers = np.arange(2, SUBSAMPLED_MAX_ORDER + 1)
         at = dict(zip(integers.tolist(), unsampled(integers), strict=True))
-        sampled = {a: min(at[a], _poisson_subsampled(a, sample_rate, at)) for a in at}
-        curve = np.minimum(curve, [sampled[max(2, math.ceil(o))] for o in RDP_ORDERS])
+        sampled = [
+            _poisson_subsampled(max(2, math.ceil(o)), sample_rate, at)
+            if o <= SUBSAMPLED_MAX_ORDER
+            else math.inf
+            for o in RDP_ORDERS
+        ]
+        curve = np.minimum(curve, sampled)
     curve.flags.writeable = False
     return curve
 

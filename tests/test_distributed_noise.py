@@ -1,0 +1,149 @@
+"""Distributed discrete Gaussian: the sampler, the quantiser and the accounting."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting import rdp
+
+from gep_fed.accounting.events import (
+    RDP_ORDERS,
+    PrivacyEvent,
+    _poisson_subsampled,
+    _step_rdp,
+    distributed_step_rdp,
+    epsilon_rdp,
+)
+from gep_fed.mechanisms.contract import PrivacyContract
+from gep_fed.mechanisms.distributed_noise import (
+    DistributedNoise,
+    discrete_gaussian,
+    hadamard,
+    padded_dimension,
+    rotation_signs,
+)
+from gep_fed.mechanisms.mechanism import ClippedSums
+
+
+def test_the_noise_sampler_draws_the_exact_discrete_gaussian():
+    scale, n = 1.5, 200_000
+    draws = discrete_gaussian(np.zeros(n, dtype=np.int64), scale)
+    support = np.arange(-12, 13)
+    exact = np.exp(-(support**2) / (2 * scale**2))
+    exact /= exact.sum()
+    empirical = np.array([(draws == k).mean() for k in support])
+    assert 0.5 * np.abs(empirical - exact).sum() < 0.005  # total variation
+    assert np.all(np.abs(draws) <= 12)  # nothing beyond 8 scales in 200k draws
+
+
+def test_the_noise_sampler_adds_noise_of_its_scale_to_large_integers():
+    values = np.full(50_000, 2**40, dtype=np.int64)
+    noisy = discrete_gaussian(values, 1000.0)
+    assert noisy.dtype == np.int64
+    assert abs((noisy - values).mean()) < 30 and (noisy - values).std() == pytest.approx(
+        1000, rel=0.02
+    )
+
+
+def test_the_rotation_is_orthonormal_and_its_own_inverse():
+    x = torch.randn(256, dtype=torch.float64)
+    y = hadamard(x)
+    assert float(torch.linalg.vector_norm(y)) == pytest.approx(float(torch.linalg.vector_norm(x)))
+    torch.testing.assert_close(hadamard(y), x)
+    assert padded_dimension(300) == 512 and padded_dimension(256) == 256
+
+
+def test_the_decoded_sum_is_the_sites_clipped_sums_plus_noise_of_the_target_std():
+    contract = PrivacyContract("gep", 0.8, 0.1, clip_embedding=0.5, clip_residual=0.25)
+    noise = DistributedNoise(noise_shares=4, bits=20, step=2e-4)
+    mech = contract.build_mechanism()
+    torch.manual_seed(0)
+    sites = [ClippedSums(torch.randn(64) * 3, torch.randn(4000)) for _ in range(4)]
+    encoded = [noise.encode(s, mech, rotation_seed=5) for s in sites]
+    assert all(e.min() >= 0 and e.max() < noise.modulus for e in encoded)
+    decoded = noise.decode(sum(encoded) % noise.modulus, mech, 5, (64, 4000))
+    assert decoded.noised
+    truth = sites[0] + sites[1] + sites[2] + sites[3]
+    error = decoded.residual.double() - truth.residual.double()
+    # four shares of variance sigma^2 / 4 each: the central noise, sigma * S2
+    assert error.std() == pytest.approx(0.8 * 0.25, rel=0.05)
+    assert abs(error.mean()) < 0.02
+    assert (decoded.embedding - truth.embedding).std() == pytest.approx(0.8 * 0.5, rel=0.3)
+
+
+def test_a_sum_that_wraps_past_half_the_modulus_is_read_as_negative():
+    mech = PrivacyContract("gp", 1.0, 0.1, clip_norm=1.0).build_mechanism()
+    noise = DistributedNoise(noise_shares=1, bits=8, step=1.0)
+    decoded = noise.decode(np.full(4, 255), mech, 0, (None, 4))
+    # 255 = -1 (mod 256) in every rotated coordinate; rotated back: (-2 s_0, 0, 0, 0)
+    sign = float(rotation_signs(0, 4)[0])
+    torch.testing.assert_close(decoded.residual, torch.tensor([-2.0 * sign, 0.0, 0.0, 0.0]))
+
+
+def test_unsampled_distributed_noise_is_accounted_as_opendps_discrete_gaussian():
+    """One discrete Gaussian (t = 1, so tau = 0) of scale 4 and L2 sensitivity 3 is
+    rho-zCDP with OpenDP's own privacy map; our curve must be rho * alpha."""
+    import opendp.prelude as dp
+
+    dp.enable_features("contrib")
+    measurement = dp.m.make_gaussian(
+        dp.vector_domain(dp.atom_domain(T="i64")), dp.l2_distance(T="i64"), 4.0
+    )
+    rho = measurement.map(3)
+    curve = distributed_step_rdp(3 / 4, 0.0, 10, 1.0)
+    np.testing.assert_allclose(curve, rho * np.asarray(RDP_ORDERS), rtol=1e-12)
+
+
+@pytest.mark.parametrize("q", [0.01, 0.05, 0.2])
+@pytest.mark.parametrize("nu", [0.7, 1.0, 2.0])
+def test_distributed_accounting_bounds_the_continuous_gaussian_it_approaches(q, nu):
+    """With no discreteness (tau = 0, no rounding growth) the general subsampling bound must
+    lie above dp-accounting's exact subsampled Gaussian at every integer order, and not far
+    above it in epsilon (fractional orders take the next integer's value: the main cost)."""
+    gaussian = _step_rdp(nu, q)
+    discrete = distributed_step_rdp(1 / nu, 0.0, 1000, q)
+    integer = np.array([float(o).is_integer() for o in RDP_ORDERS])
+    assert np.all(discrete[integer] >= gaussian[integer] * (1 - 1e-9))
+    event = PrivacyEvent("gp", nu, q, 200, nu)
+    dist = PrivacyEvent(
+        "gp", nu, q, 200, nu, placement="distributed", discrete_l2_scale=1 / nu, dimension=1000
+    )
+    ratio = epsilon_rdp([dist], 1e-5) / epsilon_rdp([event], 1e-5)
+    assert 1 - 1e-9 <= ratio < 1.5
+
+
+def test_the_subsampling_bound_matches_an_independent_evaluation_of_zhu_and_wang():
+    """Theorem 5 of Zhu & Wang (2019) in plain arithmetic at order 6, for the RDP curve of a
+    Gaussian of sensitivity-1 noise multiplier 1.2."""
+    q, order = 0.1, 6
+    eps = {a: a / (2 * 1.2**2) for a in range(2, order + 1)}
+    total = (1 - q) ** (order - 1) * (order * q - q + 1)
+    total += math.comb(order, 2) * q**2 * (1 - q) ** (order - 2) * math.exp(eps[2])
+    total += 3 * sum(
+        math.comb(order, j) * (1 - q) ** (order - j) * q**j * math.exp((j - 1) * eps[j])
+        for j in range(3, order + 1)
+    )
+    assert _poisson_subsampled(order, q, eps) == pytest.approx(math.log(total) / 5, rel=1e-12)
+
+
+def test_the_divergence_of_few_coarse_shares_costs_epsilon():
+    fine = DistributedNoise(noise_shares=10, bits=16, step=1e-3)
+    coarse = DistributedNoise(noise_shares=10, bits=16, step=0.5)
+    assert fine.tau(1.0) == 0.0 and coarse.tau(1.0) > 0
+    events = [
+        PrivacyContract(
+            "gp", 1.0, 0.05, noise_shares=10, quantization_bits=16, quantization_step=s
+        ).events(100, dimension=1024)
+        for s in (fine.step, coarse.step)
+    ]
+    assert epsilon_rdp(events[1], 1e-5) > epsilon_rdp(events[0], 1e-5)
+
+
+def test_a_zcdp_event_composes_as_dp_accounting_composes_it():
+    curve = distributed_step_rdp(0.5, 0.0, 64, 1.0)
+    expected = rdp.RdpAccountant(list(RDP_ORDERS)).compose(dp_accounting.ZCDpEvent(0.125)).rdp
+    np.testing.assert_allclose(curve, expected, rtol=1e-12)
