@@ -2,10 +2,11 @@
 
 The matrix: non-private FedAvg (per-example gradients clipped at S as in GP, no noise: the
 step sizes tuned for clipped gradients stay meaningful, and the row shows what the noise
-alone costs); GP, B-GEP and GEP in central and client-side mode at each
-epsilon; and, as the reference a federation is measured against, centralised GEP and GP on
-the pooled data on one machine (same steps and sampling rate as central mode). Writes one
-Markdown table and one plot; every run keeps its own run directory.
+alone costs); GP, B-GEP and GEP in central, client-side and distributed mode at each
+epsilon (``mechanisms`` and ``modes`` choose a part); and, as the reference a federation is
+measured against, centralised GEP and GP on the pooled data on one machine (same steps and
+sampling rate as central mode). Writes one Markdown table and one plot; every run keeps its
+own run directory.
 
     gep-fed compare --task mnist --partition dirichlet --epsilons 2 8
 """
@@ -28,26 +29,31 @@ from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.training import OptimizerConfig, train_private
 
 MECHANISMS = ("gp", "bgep", "gep")
-MODES = ("central", "client")
+MODES = ("central", "client", "distributed")
 
 
 EQUAL = ("steps", "rounds")
 
 
 def matrix(
-    base: FederationConfig, epsilons: list[float], equal: str = "steps"
+    base: FederationConfig,
+    epsilons: list[float],
+    equal: str = "steps",
+    mechanisms: tuple[str, ...] = MECHANISMS,
+    modes: tuple[str, ...] = MODES,
 ) -> list[tuple[str, FederationConfig]]:
     """(label, config) for every federated run of the comparison.
 
     ``equal="steps"`` (default) gives every mode the same number of private steps per party:
-    central mode takes ``rounds * local_steps`` rounds of one step, as client mode takes
-    ``rounds`` of ``local_steps``. ``"rounds"`` runs both for ``rounds`` rounds (then client
-    mode takes ``local_steps`` times the steps, and reads as better for it)."""
+    central and distributed mode take ``rounds * local_steps`` rounds of one step, as client
+    mode takes ``rounds`` of ``local_steps``. ``"rounds"`` runs every mode for ``rounds``
+    rounds (then client mode takes ``local_steps`` times the steps, and reads as better)."""
     if equal not in EQUAL:
         raise ValueError(f"equal must be one of {EQUAL}, got {equal!r}")
 
     def of_mode(fed: FederationConfig, mode: str) -> FederationConfig:
-        rounds = base.rounds * base.local_steps if mode == "central" and equal == "steps" else None
+        one_step = mode != "client" and equal == "steps"
+        rounds = base.rounds * base.local_steps if one_step else None
         return replace(fed, mode=mode, rounds=rounds or base.rounds)
 
     runs = [
@@ -57,8 +63,8 @@ def matrix(
         )
     ]
     for eps in epsilons:
-        for mode in MODES:
-            for mech in MECHANISMS:
+        for mode in modes:
+            for mech in mechanisms:
                 fed = replace(
                     base, mechanism=mech, target_epsilon=eps, noise_multiplier=None, run_name=""
                 )
@@ -114,6 +120,8 @@ def run_comparison(
     central_reference: bool = True,
     name: str | None = None,
     equal: str = "steps",
+    mechanisms: tuple[str, ...] = MECHANISMS,
+    modes: tuple[str, ...] = MODES,
 ) -> str:
     """Run the matrix (``matrix``: modes at equal private steps by default); write
     ``<out>/<name>.md``, ``.json`` and ``.png``; return the table."""
@@ -121,7 +129,7 @@ def run_comparison(
     out.mkdir(parents=True, exist_ok=True)
     name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-{base.task}"
     rows = []
-    runs = matrix(base, epsilons, equal)
+    runs = matrix(base, epsilons, equal, mechanisms, modes)
     for i, (label, fed) in enumerate(runs, 1):
         eps = None if fed.noise_multiplier == 0 else fed.target_epsilon
         print(f"[{i}/{len(runs)}] {label} epsilon={eps}", file=sys.stderr, flush=True)
@@ -132,6 +140,7 @@ def run_comparison(
         )
         res = simulate(fed, progress=False)
         last = res.metrics[-1] if res.metrics else {}
+        per_round = [m.get("bytes_sent", 0) + m.get("bytes_received", 0) for m in res.metrics]
         rows.append(
             {
                 "setup": label,
@@ -140,8 +149,10 @@ def run_comparison(
                 "test_auc": last.get("test_auroc"),
                 "epsilon_spent": last.get("epsilon"),
                 "rounds": len(res.metrics),
-                "steps": len(res.metrics) * (1 if fed.mode == "central" else fed.local_steps),
+                "steps": len(res.metrics) * (1 if fed.mode != "client" else fed.local_steps),
                 "seconds": res.seconds,
+                "round_seconds": _mean([m.get("round_seconds") for m in res.metrics]),
+                "round_bytes_per_site": _mean(per_round) / fed.num_sites if per_round else None,
                 "run_dir": str(res.run_dir),
             }
         )
@@ -149,7 +160,7 @@ def run_comparison(
         for eps in epsilons:
             for mech in ("gp", "gep"):
                 print(f"[ref] centralised {mech} epsilon={eps}", file=sys.stderr, flush=True)
-                central = next(f for _, f in runs if f.mode == "central")
+                central = next((f for _, f in runs if f.mode != "client"), runs[-1][1])
                 ref = centralised(base, mech, eps, central.rounds)
                 rows.append(
                     {
@@ -173,6 +184,11 @@ def run_comparison(
     return table
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def _fmt(value, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -189,9 +205,9 @@ def _table(base: FederationConfig, rows: list[dict]) -> str:
     cols = (
         "| setup | epsilon | test accuracy |"
         + (" test AUC |" if auc else "")
-        + " epsilon spent | rounds | private steps | seconds |\n"
+        + " epsilon spent | rounds | private steps | seconds | s/round | MB/round/site |\n"
     )
-    sep = "|---|---|---|" + ("---|" if auc else "") + "---|---|---|---|\n"
+    sep = "|---|---|---|" + ("---|" if auc else "") + "---|---|---|---|---|---|\n"
     lines = []
     for r in rows:
         eps = "inf" if r["epsilon"] is None else f"{r['epsilon']:g}"
@@ -200,8 +216,13 @@ def _table(base: FederationConfig, rows: list[dict]) -> str:
             f"| {r['setup']} | {eps} | {_fmt(r['test_accuracy'])} |"
             + (f" {_fmt(r['test_auc'])} |" if auc else "")
             + f" {spent} | {r['rounds']} | {r.get('steps', '-')} | {r['seconds']:.0f} |"
+            + f" {_fmt(r.get('round_seconds'), 2)} | {_megabytes(r.get('round_bytes_per_site'))} |"
         )
     return head + cols + sep + "\n".join(lines) + "\n"
+
+
+def _megabytes(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.3f}"
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -339,6 +339,8 @@ def _compare(args: argparse.Namespace) -> int:
         out_dir=args.out,
         central_reference=not args.no_reference,
         equal=args.equal,
+        mechanisms=tuple(args.mechanisms),
+        modes=tuple(args.modes),
     )
     print(table)
     return 0
@@ -384,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser(
         "compare",
-        help="run non-private, GP, B-GEP and GEP in both modes on the same data",
+        help="run non-private, GP, B-GEP and GEP in each mode on the same data",
         description="Run a matrix of configurations on the same data, sites and seeds and "
         "write one Markdown table and one plot.",
     )
@@ -403,6 +405,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="steps",
         help="compare the modes at equal private steps per party (default: central mode runs "
         "rounds x local-steps rounds of one step) or at equal rounds",
+    )
+    cmp.add_argument(
+        "--mechanisms",
+        nargs="+",
+        choices=["gp", "bgep", "gep"],
+        default=["gp", "bgep", "gep"],
+        help="the private mechanisms to run (default: all three)",
+    )
+    cmp.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["central", "client", "distributed"],
+        default=["central", "client", "distributed"],
+        help="the noise placements to run (default: all three)",
     )
     cmp.add_argument(
         "--no-reference",

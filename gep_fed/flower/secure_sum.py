@@ -120,7 +120,7 @@ class SecureSum:
             for node, content in contents.items()
         ]
         replies: dict[int, Message] = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+        for reply in self.grid.send_and_receive(messages=messages, timeout=self.timeout):
             node = reply.metadata.src_node_id
             if node in contents and node not in replies:
                 replies[node] = reply

@@ -96,6 +96,37 @@ def _merge(record: dict, extra: MetricRecord | None) -> MetricRecord:
     return MetricRecord({**numeric, **extra})
 
 
+def content_bytes(message: Message) -> int:
+    """The payload bytes of a message: its arrays and the byte strings of its configs."""
+    if not message.has_content():
+        return 0
+    content = message.content
+    total = sum(len(a.data) for r in content.array_records.values() for a in r.values())
+    for record in content.config_records.values():
+        for value in record.values():
+            for item in value if isinstance(value, list) else [value]:
+                total += len(item) if isinstance(item, bytes | str) else 0
+    return total
+
+
+class MeteredGrid:
+    """A Grid that counts the payload bytes it sends and receives (the cost of a mode)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.sent = self.received = 0
+
+    def get_node_ids(self):
+        return self.grid.get_node_ids()
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self.sent += sum(content_bytes(m) for m in messages)
+        replies = list(self.grid.send_and_receive(messages=messages, timeout=timeout))
+        self.received += sum(content_bytes(m) for m in replies)
+        return replies
+
+
 def _describe(fingerprint: str | None) -> str:
     return "the task's seeded model" if fingerprint is None else f"arrays {fingerprint[:12]}"
 
@@ -583,6 +614,7 @@ class GEPStrategy(Strategy):
             unit="round",
             disable=not self.progress,
         )
+        grid = MeteredGrid(grid)
         for rnd in bar:
             try:
                 self.server.check_budget(rnd)
@@ -590,7 +622,7 @@ class GEPStrategy(Strategy):
                 self.stop_reason = f"stopped before round {rnd}: {err}"
                 log.warning(self.stop_reason)
                 break
-            began = time.perf_counter()
+            began, counted = time.perf_counter(), (grid.sent, grid.received)
             messages = self.configure_train(rnd, arrays, ConfigRecord(), grid)
             if self.cfg.mode == "distributed":
                 new_arrays, train_metrics = self.secure_train(rnd, messages, grid, timeout)
@@ -601,6 +633,8 @@ class GEPStrategy(Strategy):
                 arrays = new_arrays
             if train_metrics is not None:
                 result.train_metrics_clientapp[rnd] = train_metrics
+            self._round_info["bytes_sent"] = grid.sent - counted[0]
+            self._round_info["bytes_received"] = grid.received - counted[1]
             site_epsilon = self._round_info.get("site_epsilon_max", site_epsilon)
             record = self.round_record(rnd, began, site_epsilon)
             extra = evaluate_fn(rnd, arrays) if evaluate_fn is not None else None
