@@ -22,8 +22,10 @@
 # Before starting, `gep-fed site check` reads every example of the site's data and verifies its
 # ledger (create it once with `gep-fed ledger init`): a problem stops the start, since during a
 # run a bad example is dropped silently and a missing or older ledger must never be replaced.
-# MODES: "client" (default: only client-side noise) or "client,central" (this site trusts the
-# coordinator with unnoised clipped sums). DEVICE: auto (default), cpu or cuda.
+# MODES: "client" (default: only client-side noise), or a list adding "central" (this site trusts
+# the coordinator with unnoised clipped sums) and/or "distributed" (it trusts the coordinator to
+# run SecAgg+ and shows it only the sum of the sites' noised shares; the colluding sites it
+# assumes go in EXTRA_NODE_CONFIG: 'max-colluding-sites=1'). DEVICE: auto (default), cpu or cuda.
 # Environment: DEPLOY, PORT (the SuperLink's, default 9300), SUPERLINK_HOST (default 127.0.0.1),
 # NODE_PORT (this SuperNode's local runtime API port, default 9400 + the site's number),
 # EXTRA_NODE_CONFIG (more node config keys, appended as given: 'ledger-key-path="/keys/k"').

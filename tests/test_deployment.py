@@ -1,5 +1,6 @@
 """End to end: the deployment guide's own commands, on loopback, with TLS and SuperNode
-authentication: a real SuperLink, three SuperNodes, `flwr run` in central and client mode."""
+authentication: a real SuperLink, three SuperNodes, `flwr run` in central, client and
+distributed mode."""
 
 import os
 import re
@@ -80,13 +81,18 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
     assert PrivacyLedger.load(central.ledger_path).steps == 2
     client = RunDirectory.open(deploy / "runs" / "client")
     assert [r["sites_ok"] for r in client.read_metrics()] == [3, 3]
+    distributed = RunDirectory.open(deploy / "runs" / "distributed")
+    assert [r["sites_ok"] for r in distributed.read_metrics()] == [3, 3]
+    federation = PrivacyLedger.load(distributed.ledger_path)
+    assert [e.placement for e in federation.events] == ["distributed"] * 2
     for site in range(3):
-        # each hospital's own ledger holds both runs: 2 central rounds (noised by the trusted
-        # coordinator) and 2 x 3 client-side steps, within its budget of 8
+        # each hospital's own ledger holds the three runs: 2 central rounds (noised by the
+        # trusted coordinator), 2 x 3 client-side steps and 2 distributed rounds (its share
+        # of the noise in the secure sum), within its budget of 8
         ledger = PrivacyLedger.load_keyed(deploy / "ledgers" / f"site-{site}.json")
         placements = [e.placement for e in ledger.events]
-        assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3
-        assert placements == ["trusted-server"] * 2 + ["local"] * 6
+        assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3 + 2
+        assert placements == ["trusted-server"] * 2 + ["local"] * 6 + ["distributed"] * 2
         assert ledger.epsilon() <= 8.0
     assert "epsilon" in done.stdout and "HMAC and high-water mark verified" in done.stdout
     assert (

@@ -217,6 +217,7 @@ def test_a_site_declines_to_unmask_when_fewer_sites_than_its_noise_needs_survive
         {Key.TARGET_RANGE: 1 << 22},
         {Key.MAX_WEIGHT: 2.0},
         {Key.MOD_RANGE: 1 << 20},  # the sum would wrap
+        {Key.SAMPLE_NUMBER: 2, Key.SHARE_NUMBER: 2, Key.THRESHOLD: 2},  # one pairwise mask
     ],
 )
 def test_a_site_refuses_secure_sum_settings_that_would_weaken_it(change):
@@ -263,6 +264,8 @@ def test_distributed_settings_are_checked_when_the_run_is_configured():
         FederationConfig(mode="distributed", num_sites=3, noise_shares=4)
     with pytest.raises(ConfigError, match="distributed mode needs"):
         FederationConfig(mode="distributed", noise_multiplier=0.0)
+    with pytest.raises(ConfigError, match="at least 3 sites"):
+        FederationConfig(mode="distributed", num_sites=2, min_sites=1)
 
 
 def test_distributed_calibration_spends_the_budget_with_more_noise_than_central():

@@ -110,7 +110,15 @@ def test_distributed_accounting_bounds_the_continuous_gaussian_it_approaches(q, 
     assert np.all(discrete[integer] >= gaussian[integer] * (1 - 1e-9))
     event = PrivacyEvent("gp", nu, q, 200, nu)
     dist = PrivacyEvent(
-        "gp", nu, q, 200, nu, placement="distributed", discrete_l2_scale=1 / nu, dimension=1000
+        "gp",
+        nu,
+        q,
+        200,
+        nu,
+        placement="distributed",
+        discrete_l2_scale=1 / nu,
+        dimension=1000,
+        noise_shares=1,
     )
     ratio = epsilon_rdp([dist], 1e-5) / epsilon_rdp([event], 1e-5)
     assert 1 - 1e-9 <= ratio < 1.5

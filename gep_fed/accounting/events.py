@@ -71,6 +71,10 @@ class PrivacyEvent:
             ``1 / accounting_noise_multiplier``); the divergence of a sum of discrete
             Gaussians from one; the quantised vector's dimension. Accounted by
             ``distributed_step_rdp``.
+        noise_shares, max_colluding_sites: a "distributed" release's assumptions: the sum
+            held the noise of at least ``noise_shares`` sites other than the (at most)
+            ``max_colluding_sites`` that may collude with the server (the recording site
+            unmasks only then). They do not change the figure; they state what it rests on.
     """
 
     mechanism: str
@@ -85,6 +89,8 @@ class PrivacyEvent:
     discrete_l2_scale: float = 0.0
     discrete_tau: float = 0.0
     dimension: int = 0
+    noise_shares: int = 0
+    max_colluding_sites: int = 0
 
     def __post_init__(self) -> None:
         sigma = self.accounting_noise_multiplier
@@ -115,7 +121,9 @@ class PrivacyEvent:
                     "a distributed event's discrete_l2_scale must be at least "
                     f"1 / accounting_noise_multiplier, got {self.discrete_l2_scale}"
                 )
-        elif self.discrete_l2_scale or self.discrete_tau or self.dimension:
+            if not (isinstance(self.noise_shares, int) and self.noise_shares >= 1):
+                raise ValueError("a distributed event needs its noise_shares >= 1")
+        elif self.discrete_l2_scale or self.discrete_tau or self.dimension or self.noise_shares:
             raise ValueError("discrete_l2_scale, discrete_tau, dimension: distributed events only")
 
     @property

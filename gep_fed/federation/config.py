@@ -263,6 +263,8 @@ class FederationConfig:
             Range(0, integer=True).check("noise_shares", self.noise_shares)
             if self.mechanism == "langevin" or self.noise_multiplier == 0:
                 raise ConfigError("distributed mode needs gep, bgep or gp with noise")
+            if self.num_sites < 3:  # the sites refuse smaller secure sums (secure_sum.py)
+                raise ConfigError("distributed mode needs at least 3 sites")
             if self.shares_needed > self.num_sites:
                 raise ConfigError(
                     f"noise_shares ({self.noise_shares}) cannot exceed num_sites ({self.num_sites})"

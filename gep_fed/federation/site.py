@@ -19,7 +19,7 @@ chunks of ``max_chunk`` examples, clipping and summing chunk by chunk.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -212,14 +212,16 @@ class Site:
             return rc.privacy.events(
                 1, party=self.site_id, round=rc.round, placement="trusted-server"
             )
-        if rc.mode == "distributed":
+        if rc.mode == "distributed":  # with the colluders this site assumes
             k = subspace.num_basis if subspace is not None else None
-            return rc.privacy.events(
+            events = rc.privacy.events(
                 1,
                 party=self.site_id,
                 round=rc.round,
                 dimension=rc.privacy.quantized_dimension(k, self.layout.size),
             )
+            colluders = self.policy.max_colluding_sites
+            return [replace(e, max_colluding_sites=colluders) for e in events]
         if rc.privacy.is_langevin:
             return self._langevin_trainer(rc).multi_pass_events(
                 len(self._langevin_examples[1]), _first_langevin_step(rc), rc.local_steps

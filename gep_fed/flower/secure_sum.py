@@ -8,7 +8,9 @@ legacy ``LegacyContext``, so that ``GEPStrategy`` can sum the sites' shares. The
 with Flower's ``secaggplus_mod`` unchanged. Settings the sites require (``SiteGuard``):
 
 - a complete neighbour graph (every site shares keys with every other: ``share_num`` equals
-  ``sample_num``), so a site's unmask request lists every survivor;
+  ``sample_num``), so a site's unmask request lists every survivor, of at least three sites
+  (Flower's ``pseudo_rand_gen`` seeds NumPy's MT19937 with the 32-byte seed folded to 32
+  bits: with two sites a 2**32 search would find the one pairwise mask of a share);
 - the mod's own quantisation left as the identity plus an offset on a site's share (clipping
   range ``2**bits``, target range ``2**(bits + 1)``, weight 1), and a modulus that holds the
   sum of every site's offset share without wrapping;
@@ -350,7 +352,9 @@ class SiteGuard:
         ints = (sample, shares, threshold, target, mod)
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in ints):
             raise SecureSumDeclined("malformed round")
-        complete = shares == sample and sample >= 2
+        # Flower folds each mask seed to 32 bits: with two sites one 2**32 search would strip
+        # the only pairwise mask of a share, so a sum needs at least three.
+        complete = shares == sample and sample >= 3
         safe_threshold = 2 <= threshold <= sample and threshold > self.max_colluding_sites
         identity = (
             isinstance(clip, float)

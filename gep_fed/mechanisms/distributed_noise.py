@@ -94,6 +94,7 @@ def distributed_event(
         discrete_l2_scale=noise.l2_scale(event.noise_multiplier, releases, dimension),
         discrete_tau=noise.tau(event.noise_multiplier),
         dimension=dimension,
+        noise_shares=noise.noise_shares,
     )
 
 
