@@ -192,7 +192,18 @@ def best_guesses(
 def claimed_gdp_mu(events) -> float:
     """The GDP parameter mu of releases without subsampling (q = 1): Gaussian mechanisms
     compose exactly as ``mu = sqrt(sum_t 1 / sigma_t^2)``. NaN when any release is
-    subsampled: a subsampled Gaussian is not exactly GDP, so the f-DP analysis does not apply."""
+    subsampled: a subsampled Gaussian is not exactly GDP, so the f-DP analysis does not apply.
+    A distributed release claims its sensitivity after rounding over the noise std
+    (``discrete_l2_scale``), when its discrete noise is a single discrete Gaussian's to the
+    last digit (``discrete_tau`` 0; else NaN)."""
     if not events or any(e.sample_rate != 1 for e in events):
         return math.nan
-    return math.sqrt(sum(e.steps / e.accounting_noise_multiplier**2 for e in events))
+    if any(e.is_distributed and e.discrete_tau > 0 for e in events):
+        return math.nan
+    return math.sqrt(
+        sum(
+            e.steps
+            * (e.discrete_l2_scale**2 if e.is_distributed else e.accounting_noise_multiplier**-2)
+            for e in events
+        )
+    )

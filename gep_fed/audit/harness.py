@@ -76,7 +76,9 @@ class AuditResult:
         )
 
 
-AUDIT_MODES = ("single", "central", "client")
+AUDIT_MODES = ("single", "central", "client", "distributed")
+# Distributed audits: the audited site and two more, each adding a third of the noise.
+DISTRIBUTED_SITES = 3
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,10 @@ class AuditSetup:
         mechanism: "gep", "bgep", "gp" or "langevin" (multi-pass, on a linear model, mode
             "single"; its epsilon follows from the schedule, so ``epsilon`` is not a target).
         mode: "single" (``GEPStep``), "central" (``Site`` clipped sums, noised by
-            ``FederationServer``) or "client" (``Site`` local steps with its own noise).
+            ``FederationServer``), "client" (``Site`` local steps with its own noise) or
+            "distributed" (the audited ``Site`` and two more, holding other examples, each
+            quantise and add a third of the noise; their shares are summed modulo 2**bits, as
+            SecAgg+ sums them, and the server decodes the sum).
         epsilon, delta: the target the noise multiplier is calibrated to (the claim).
         canaries: m; steps and sample_rate: T and q of the audited run.
         examples: real private examples at the audited site (scikit-learn's digits); few, so
@@ -126,6 +131,11 @@ class AuditSetup:
             raise ValueError("Langevin is audited in mode 'single' (LangevinTrainer)")
 
 
+def peer_examples(setup: AuditSetup, i: int) -> range:
+    """The examples of peer site ``i`` of a distributed audit (after the audited site's)."""
+    return range(setup.examples * i, setup.examples * (i + 1))
+
+
 def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     """Train with canaries through the real code path of ``setup.mode`` and bound epsilon.
 
@@ -138,14 +148,17 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     if s.mechanism == "langevin":
         return _audit_langevin(s, x, y)
     sigma = calibrate_noise_multiplier(s.epsilon, s.delta, s.sample_rate, s.steps, s.mechanism)
+    distributed = s.mode == "distributed"
     fed = FederationConfig(
-        mode="central" if s.mode == "central" else "client",
+        mode="client" if s.mode == "single" else s.mode,
         mechanism=s.mechanism,
         noise_multiplier=sigma,
         sample_rate=s.sample_rate,
-        target_epsilon=s.epsilon,
+        # sigma is calibrated for the Gaussian; distributed accounting claims more for it (the
+        # audit checks whatever the ledger claims), so its budgets leave room for that claim
+        target_epsilon=s.epsilon * (10 if distributed else 1),
         delta=s.delta,
-        rounds=s.steps if s.mode == "central" else 1,
+        rounds=s.steps if s.mode in ("central", "distributed") else 1,
         local_steps=s.steps,
         num_basis=s.num_basis,
         num_public=s.num_basis,
@@ -157,6 +170,8 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         noise_seed=s.seed + 1,
         run_dir=run_dir or tempfile.mkdtemp(prefix="gep-fed-audit-"),
         run_name="federation",
+        num_sites=DISTRIBUTED_SITES if distributed else 3,
+        total_examples=s.examples * (DISTRIBUTED_SITES if distributed else 1),
     )
     contract = fed.contract
     torch.manual_seed(s.seed)
@@ -183,26 +198,37 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     else:
         run = RunDirectory(fed.run_directory(0))
         run.path.mkdir(parents=True, exist_ok=True)
-        server = FederationServer(fed, task, run, total_examples=s.examples, observers=(canaries,))
-        policy = SitePolicy(s.epsilon, s.delta, accepted_modes=("client", "central"))
-        site = Site(
-            "audited-site",
-            task.build_model(),
-            private,
-            policy,
-            ledger=PrivacyLedger(s.delta, s.epsilon, "audited-site"),
-            noise=NoiseSource(s.seed + 3),
-            sampler_generator=sampling,
-            observers=(canaries,),
+        server = FederationServer(
+            fed, task, run, total_examples=fed.total_examples, observers=(canaries,)
         )
+        budget = fed.target_epsilon
+        policy = SitePolicy(budget, s.delta, accepted_modes=AUDIT_MODES[1:])
+        sites = [
+            Site(
+                "audited-site" if i == 0 else f"peer-{i}",
+                task.build_model(),
+                private if i == 0 else Subset(task.train_dataset(), peer_examples(s, i)),
+                policy,
+                ledger=PrivacyLedger(s.delta, budget, f"site-{i}"),
+                noise=NoiseSource(s.seed + 3 + i),
+                sampler_generator=sampling if i == 0 else torch.Generator().manual_seed(i),
+                observers=(canaries,) if i == 0 else (),
+            )
+            for i in range(DISTRIBUTED_SITES if distributed else 1)
+        ]
         for round_ in range(1, fed.rounds + 1):
             plan = server.plan_round(round_)
-            site.load_state(server.model.state_dict())
-            release = site.run_round(plan.config, server.subspace)
+            releases = []
+            for site in sites:
+                site.load_state(server.model.state_dict())
+                releases.append(site.run_round(plan.config, server.subspace))
             if s.mode == "central":
-                server.apply_central(round_, [release.sums])
-        ledger = server.ledger if s.mode == "central" else site.ledger
-        placement = "trusted-server" if s.mode == "central" else "local"
+                server.apply_central(round_, [releases[0].sums])
+            elif distributed:  # what SecAgg+ reveals: the sum modulo 2**bits
+                modulus = 1 << contract.quantization_bits
+                server.apply_distributed(round_, sum(r.share for r in releases) % modulus)
+        ledger = sites[0].ledger if s.mode == "client" else server.ledger
+        placement = {"central": "trusted-server", "client": "local"}.get(s.mode, s.mode)
     found = canaries.guesses(s.delta, s.confidence)
     return AuditResult(
         mechanism=s.mechanism,

@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     aud.add_argument(
         "--mode",
-        choices=["single", "central", "client"],
+        choices=["single", "central", "client", "distributed"],
         default="client",
         help="single: GEPStep; central: site sums noised by the server; client: site noise",
     )
