@@ -1,0 +1,145 @@
+"""The three noise placements at growing federation sizes (issue 22): central, client-side and
+distributed (SecAgg+) mode on the same data, sites and seeds, at equal private steps.
+
+Each run is one Flower simulation of the task's recommended settings; its figures (test
+accuracy, epsilon, seconds and megabytes per round per site) go to
+``benchmarks/results/modes/runs.jsonl`` as it finishes, and a run already there is skipped, so
+an interrupted benchmark resumes where it stopped. ``--table`` writes the Markdown table from
+what is there.
+
+    python benchmarks/modes_at_scale.py --sites 3 10 20 --partitions iid dirichlet
+    python benchmarks/modes_at_scale.py --table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from gep_fed.federation.config import FederationConfig
+from gep_fed.flower.simulation import simulate
+
+OUT = Path(__file__).parent / "results" / "modes"
+MODES = ("central", "distributed", "client")
+
+
+def key(task: str, mechanism: str, sites: int, partition: str, epsilon: float, mode: str) -> str:
+    return f"{task}/{mechanism}/{sites}-{partition}/eps{epsilon:g}/{mode}"
+
+
+def done_runs(log: Path) -> dict[str, dict]:
+    if not log.exists():
+        return {}
+    return {row["key"]: row for row in map(json.loads, log.read_text().splitlines()) if row}
+
+
+def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
+    began = time.perf_counter()
+    result = simulate(fed, progress=False)
+    rows = result.metrics
+    per_round = [r.get("bytes_sent", 0) + r.get("bytes_received", 0) for r in rows]
+    row = {
+        "key": run_key,
+        "mode": fed.mode,
+        "sites": fed.num_sites,
+        "partition": fed.partition,
+        "mechanism": fed.mechanism,
+        "epsilon_target": fed.target_epsilon,
+        "epsilon": rows[-1]["epsilon"] if rows else None,
+        "test_accuracy": rows[-1]["test_accuracy"] if rows else None,
+        "rounds": len(rows),
+        "steps": fed.steps_per_party,
+        "applied_rounds": sum(bool(r.get("applied")) for r in rows),
+        "seconds": time.perf_counter() - began,
+        "round_seconds": sum(r["round_seconds"] for r in rows) / max(len(rows), 1),
+        "round_megabytes_per_site": sum(per_round) / max(len(rows), 1) / fed.num_sites / 2**20,
+        "run_dir": str(result.run_dir),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with log.open("a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "# Noise placements at growing federation sizes",
+        "",
+        "Each row: one Flower simulation of the task's recommended settings, GEP, modes at "
+        "equal private steps per party (central and distributed: one step per round; client: "
+        "`local-steps` per round). Megabytes per round per site count every message's arrays "
+        "and byte strings, both ways (`gep_fed.flower.strategy.MeteredGrid`). Seeds fixed "
+        "(partition, anchors, model, the central and client noise); the distributed noise is "
+        "OpenDP's, seeded by the operating system.",
+        "",
+        "| task | sites | partition | epsilon | mode | test accuracy | epsilon spent | rounds | "
+        "s/round | MB/round/site |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = {m: i for i, m in enumerate(MODES)}
+    for r in sorted(rows, key=lambda r: (r["key"].rsplit("/", 1)[0], order[r["mode"]])):
+        task = r["key"].split("/")[0]
+        lines.append(
+            f"| {task} | {r['sites']} | {r['partition']} | {r['epsilon_target']:g} | {r['mode']} "
+            f"| {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {r['rounds']} | "
+            f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="fashion-mnist")
+    parser.add_argument("--data-dir", default="../shared/data")
+    parser.add_argument("--mechanism", default="gep", choices=["gep", "bgep", "gp"])
+    parser.add_argument("--sites", type=int, nargs="+", default=[3, 10, 20])
+    parser.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"])
+    parser.add_argument("--epsilon", type=float, default=2.0)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--rounds", type=int, default=None, help="default: the task's")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--table", action="store_true", help="only write the table")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
+    if not args.table:
+        for sites in args.sites:
+            for partition in args.partitions:
+                for mode in args.modes:
+                    run_key = key(args.task, args.mechanism, sites, partition, args.epsilon, mode)
+                    if run_key in done_runs(log):
+                        print(f"done already: {run_key}", file=sys.stderr)
+                        continue
+                    base = FederationConfig.for_task(
+                        args.task,
+                        data_dir=args.data_dir,
+                        mechanism=args.mechanism,
+                        num_sites=sites,
+                        partition=partition,
+                        target_epsilon=args.epsilon,
+                        noise_seed=5,
+                        run_dir=str(out / "runs"),
+                        run_name=run_key.replace("/", "_"),
+                        **({"rounds": args.rounds} if args.rounds else {}),
+                    )
+                    one_step = base.rounds * base.local_steps
+                    fed = replace(
+                        base, mode=mode, rounds=base.rounds if mode == "client" else one_step
+                    )
+                    print(f"running {run_key}", file=sys.stderr, flush=True)
+                    row = run_one(fed, run_key, log)
+                    print(
+                        f"  {row['test_accuracy']:.4f} in {row['seconds']:.0f} s", file=sys.stderr
+                    )
+    (out / "modes.md").write_text(table(list(done_runs(log).values())))
+    print((out / "modes.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
