@@ -182,6 +182,9 @@ def test_too_few_survivors_abandon_the_round_before_anything_is_unmasked(tmp_pat
     )
     assert sums == []  # nothing decoded, nothing stepped
     assert (1, Stage.UNMASK) not in grid.stages  # no site was asked for unmasking shares
+    (row,) = strategy.server.run.read_metrics()
+    assert not row["applied"] and row["sites_ok"] == 0
+    assert row["rejected"] == ["site at node 100: no collect_masked_vectors reply"]
     assert PrivacyLedger.load(strategy.server.run.ledger_path).steps == 0
     assert len(shares) == 2  # the two survivors computed (and recorded) their shares
 
@@ -190,6 +193,19 @@ def guard_state(noise_shares: int) -> RecordDict:
     state = RecordDict()
     state.config_records[ROUND_NOISE_KEY] = ConfigRecord({"noise-shares": noise_shares})
     return state
+
+
+def test_a_site_that_accepts_no_distributed_round_is_named_with_its_refusal(tmp_path):
+    fed = FederationConfig(run_dir=str(tmp_path), run_name="r", rounds=1, **FAST)
+    grid = LocalGrid(fed)
+    grid.app = make_client_app(fed, {**simulated_site_settings(fed), "accept-modes": "client"})
+    strategy = GEPStrategy.from_config(fed, TaskIdentity.run_id, progress=False)
+    strategy.start(grid)
+    (row,) = strategy.server.run.read_metrics()
+    assert not row["applied"]
+    assert row["rejected"] == [
+        f"site at node {n}: setup: refused: mode not allowed" for n in (100, 101, 102)
+    ]
 
 
 def test_a_site_declines_to_unmask_when_fewer_sites_than_its_noise_needs_survive():

@@ -322,7 +322,8 @@ def make_client_app(
     there."""
 
     def guard(context: Context) -> SiteGuard:
-        return SiteGuard(_site(context, fed, simulation).policy.max_colluding_sites)
+        policy = _site(context, fed, simulation).policy
+        return SiteGuard(policy.max_colluding_sites, "distributed" in policy.accepted_modes)
 
     client = ClientApp(mods=[secure_sum_mod(guard, refusal)])
 

@@ -48,6 +48,8 @@ from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
+from gep_fed.federation.wire import describe_error
+
 log = logging.getLogger("gep_fed.server")
 
 # The secure sum's modulus: Flower's masks are drawn below 2**32.
@@ -144,8 +146,12 @@ class SecureSum:
             good = {}
             for node in replies.keys() | set(asked):
                 reply = replies.get(node)
-                if reply is None or reply.has_error():
+                if reply is None:
                     failures.append(f"site at node {node}: no {stage} reply")
+                    continue
+                if reply.has_error():  # a refusal's fixed text, never the reply's own
+                    why = describe_error(reply.error.code, None)
+                    failures.append(f"site at node {node}: {stage}: {why}")
                     continue
                 record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
                 if record is None:
@@ -324,12 +330,17 @@ class SiteGuard:
 
     Args:
         max_colluding_sites: from the site's policy.
+        accepts_distributed: the site's policy accepts distributed rounds (else it refuses
+            the secure sum at its first stage).
     """
 
     max_colluding_sites: int
+    accepts_distributed: bool = True
 
     def check(self, stage: str, configs: ConfigRecord, state: RecordDict) -> None:
         """Raise ``SecureSumDeclined`` when a stage's request is one the site refuses."""
+        if not self.accepts_distributed:
+            raise SecureSumDeclined("mode not allowed")
         if stage == Stage.SETUP:
             self._check_setup(configs)
         elif stage == Stage.UNMASK:
