@@ -117,7 +117,7 @@ def render_report(run_dir: str | Path) -> Path:
         )
     elif ledger_path.exists():
         ledger = PrivacyLedger.load(ledger_path)
-        who = "the federation" if mode == "central" else "each participating site (expected)"
+        who = "each participating site (expected)" if mode == "client" else "the federation"
         lines.append(
             f"- privacy spent by {who}: epsilon = {ledger.epsilon():.4f} (RDP), "
             f"{pld_text(ledger.epsilon('pld'))} at delta = {ledger.delta:g} over "

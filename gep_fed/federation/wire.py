@@ -138,8 +138,9 @@ class RoundConfig:
 
     Attributes:
         round: the federated round (from 1; strictly increasing within a run).
-        mode: "central" (site sends unnoised clipped sums to a trusted server) or "client"
-            (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta).
+        mode: "central" (site sends unnoised clipped sums to a trusted server), "client"
+            (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta)
+            or "distributed" (site sends its quantised noised share, masked by SecAgg+).
         privacy: the privacy contract (mechanism, sigma, q, clip norms): what the site clips,
             noises and accounts, and what the server's own mechanism is built from.
         local_steps, local_lr, local_momentum: the site's optimiser in client mode.
