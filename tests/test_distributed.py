@@ -297,3 +297,15 @@ def test_distributed_calibration_spends_the_budget_with_more_noise_than_central(
     events = d.events(20, dimension=d.quantized_dimension(20, params))
     assert epsilon_rdp(events, 1e-5) == pytest.approx(8.0, abs=0.01)
     assert math.isnan(epsilon_pld(events, 1e-5))  # no PLD for the sum of discrete shares
+
+
+@pytest.mark.parametrize("mechanism", ["bgep", "gp"])
+def test_bgep_and_gp_rounds_are_summed_decoded_and_stepped(tmp_path, monkeypatch, mechanism):
+    shares, sums = spy_shares(monkeypatch)
+    *_, strategy = run(tmp_path, rounds=1, mechanism=mechanism)
+    server = strategy.server
+    assert len(sums) == 1 and shares[0].shape == (server.quantized_dimension,)
+    released = server.num_basis if mechanism == "bgep" else server.layout.size
+    assert server.quantized_dimension == 1 << math.ceil(math.log2(released))
+    (row,) = server.run.read_metrics()
+    assert row["applied"] and row["sites_ok"] == 3
