@@ -57,6 +57,9 @@ def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
         "seconds": time.perf_counter() - began,
         "round_seconds": sum(r["round_seconds"] for r in rows) / max(len(rows), 1),
         "round_megabytes_per_site": sum(per_round) / max(len(rows), 1) / fed.num_sites / 2**20,
+        "sigma": json.loads((result.run_dir / "config.json").read_text())[
+            "resolved-noise-multiplier"
+        ],
         "run_dir": str(result.run_dir),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -76,16 +79,16 @@ def table(rows: list[dict]) -> str:
         "(partition, anchors, model, the central and client noise); the distributed noise is "
         "OpenDP's, seeded by the operating system.",
         "",
-        "| task | sites | partition | epsilon | mode | test accuracy | epsilon spent | rounds | "
-        "s/round | MB/round/site |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | sites | partition | epsilon | mode | sigma | test accuracy | epsilon spent | "
+        "rounds | s/round | MB/round/site |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate(MODES)}
     for r in sorted(rows, key=lambda r: (r["key"].rsplit("/", 1)[0], order[r["mode"]])):
         task = r["key"].split("/")[0]
         lines.append(
             f"| {task} | {r['sites']} | {r['partition']} | {r['epsilon_target']:g} | {r['mode']} "
-            f"| {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {r['rounds']} | "
+            f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {r['rounds']} | "
             f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} |"
         )
     return "\n".join(lines) + "\n"
