@@ -103,9 +103,12 @@ def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     sites = [PrivacyLedger.load_keyed(p) for p in sorted(run_dir.glob("sites/*/ledger.json"))]
     largest = max(ledger.epsilon() for ledger in sites)
     assert len(sites) == 3 and largest > 0
+    for ledger in sites:  # step 1 of the schedule draws from the prior: 2 x 3 - 1 steps
+        assert ledger.steps == 5 and {e.mechanism for e in ledger.events} == {"langevin"}
     line = next(x for x in proc.stdout.splitlines() if "epsilon spent (largest site)" in x)
     assert f"{largest:.4f}" in line
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["sites_ok"] == 3 for m in metrics)
     assert metrics[-1]["epsilon"] == pytest.approx(largest)
     assert "only the sites' own ledgers hold it" in (run_dir / "report.md").read_text()
 
