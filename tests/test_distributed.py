@@ -309,3 +309,8 @@ def test_bgep_and_gp_rounds_are_summed_decoded_and_stepped(tmp_path, monkeypatch
     assert server.quantized_dimension == 1 << math.ceil(math.log2(released))
     (row,) = server.run.read_metrics()
     assert row["applied"] and row["sites_ok"] == 3
+
+
+def test_quantization_bits_out_of_range_are_named_when_the_run_is_configured():
+    with pytest.raises(ConfigError, match="quantization_bits"):
+        FederationConfig(mode="distributed", quantization_bits=40)

@@ -155,3 +155,21 @@ def test_a_zcdp_event_composes_as_dp_accounting_composes_it():
     curve = distributed_step_rdp(0.5, 0.0, 64, 1.0)
     expected = rdp.RdpAccountant(list(RDP_ORDERS)).compose(dp_accounting.ZCDpEvent(0.125)).rdp
     np.testing.assert_allclose(curve, expected, rtol=1e-12)
+
+
+def test_distributed_releases_are_never_composed_as_gaussians():
+    from gep_fed.accounting.events import compose
+
+    dist = PrivacyEvent(
+        "gp",
+        1.0,
+        0.1,
+        3,
+        1.0,
+        placement="distributed",
+        discrete_l2_scale=1.0,
+        dimension=8,
+        noise_shares=1,
+    )
+    with pytest.raises(ValueError, match="no dp-accounting event"):
+        compose([dist])

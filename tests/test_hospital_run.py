@@ -95,18 +95,18 @@ def test_a_simulation_over_per_site_folders_reads_exactly_those_and_a_site_may_l
     reads = tmp_path / "reads.txt"
     monkeypatch.setenv("FOLDER_TASK_READS", str(reads))
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
-    for mode in ("client",):  # what a site reads does not depend on the mode
-        reads.write_text("")
-        result = simulate(tiny(tmp_path, mode=mode, run_name=mode), progress=False,
-                          site_data=folders)
-        assert all(r["sites_ok"] == 2 and r["applied"] for r in result.metrics)
-        assert sorted(result.site_rounds) == ["hospital-a", "hospital-b"]
-        read = [Path(line) for line in reads.read_text().splitlines()]
-        roots = {Path(p) for p in folders.values()}
-        assert read and all(any(root in p.parents for root in roots) for p in read)
-        assert {p.parent.parent for p in read} == roots  # both sites' own folders, nothing else
-        ledgers = sorted(p.parent.name for p in result.run_dir.glob("sites/*/ledger.json"))
-        assert ledgers == ["hospital-a", "hospital-b"]
+    reads.write_text("")  # what a site reads does not depend on the mode
+    result = simulate(
+        tiny(tmp_path, mode="client", run_name="client"), progress=False, site_data=folders
+    )
+    assert all(r["sites_ok"] == 2 and r["applied"] for r in result.metrics)
+    assert sorted(result.site_rounds) == ["hospital-a", "hospital-b"]
+    read = [Path(line) for line in reads.read_text().splitlines()]
+    roots = {Path(p) for p in folders.values()}
+    assert read and all(any(root in p.parents for root in roots) for p in read)
+    assert {p.parent.parent for p in read} == roots  # both sites' own folders, nothing else
+    ledgers = sorted(p.parent.name for p in result.run_dir.glob("sites/*/ledger.json"))
+    assert ledgers == ["hospital-a", "hospital-b"]
     assert torch.isfinite(torch.tensor(result.metrics[-1]["test_accuracy"]))
 
 

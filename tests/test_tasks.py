@@ -116,25 +116,24 @@ def test_cifar10_with_resnet20_gn_trains_a_client_mode_round_reduced(tmp_path):
     site code is the same clipped sums, simulated on digits in tests/test_simulation.py)."""
     shared_file("cifar10/cifar-10-batches-bin/data_batch_5.bin")
     shared_file("tinyimagenet/tinyimagenet_val_32x32.npz")
-    for mode in ("client",):
-        fed = FederationConfig(
-            task="cifar10",
-            model="resnet20",
-            data_dir=str(SHARED_DATA),
-            mode=mode,
-            rounds=1,
-            local_steps=1,
-            num_basis=20,
-            num_public=64,
-            sample_rate=0.002,
-            noise_seed=1,
-            run_dir=str(tmp_path),
-            run_name=mode,
-        )
-        result = simulate(fed, progress=False)
-        (metrics,) = result.metrics
-        assert metrics["sites_ok"] == 3 and metrics["applied"]
-        assert 0 <= metrics["test_accuracy"] <= 1
+    fed = FederationConfig(
+        task="cifar10",
+        model="resnet20",
+        data_dir=str(SHARED_DATA),
+        mode="client",
+        rounds=1,
+        local_steps=1,
+        num_basis=20,
+        num_public=64,
+        sample_rate=0.002,
+        noise_seed=1,
+        run_dir=str(tmp_path),
+        run_name="client",
+    )
+    result = simulate(fed, progress=False)
+    (metrics,) = result.metrics
+    assert metrics["sites_ok"] == 3 and metrics["applied"]
+    assert 0 <= metrics["test_accuracy"] <= 1
 
 
 @pytest.mark.slow

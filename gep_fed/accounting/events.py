@@ -185,6 +185,10 @@ def _gaussian_event(accounting_sigma: float, q: float, steps: int) -> PrivacyEve
 
 
 def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
+    """The dp-accounting event of Gaussian releases (a distributed one has none)."""
+    events = list(events)
+    if any(e.is_distributed for e in events):
+        raise ValueError("distributed releases have no dp-accounting event: use epsilon_rdp")
     parts = [_gaussian_event(sigma, q, steps).dp_event() for sigma, q, *_, steps in _merged(events)]
     return dp_accounting.ComposedDpEvent(parts)
 
@@ -222,10 +226,9 @@ def distributed_step_rdp(l2_scale: float, tau: float, dimension: int, sample_rat
     if sample_rate < 1:  # amplified up to order 256 (the cost grows with its square)
         integers = np.arange(2, SUBSAMPLED_MAX_ORDER + 1)
         at = dict(zip(integers.tolist(), unsampled(integers), strict=True))
+        amplified = {a: _poisson_subsampled(a, sample_rate, at) for a in at}
         sampled = [
-            _poisson_subsampled(max(2, math.ceil(o)), sample_rate, at)
-            if o <= SUBSAMPLED_MAX_ORDER
-            else math.inf
+            amplified[max(2, math.ceil(o))] if o <= SUBSAMPLED_MAX_ORDER else math.inf
             for o in RDP_ORDERS
         ]
         curve = np.minimum(curve, sampled)

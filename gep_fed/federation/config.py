@@ -19,6 +19,7 @@ from pathlib import Path
 from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.mechanisms.contract import FEDERATED_MECHANISMS, PrivacyContract
+from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS
 from gep_fed.mechanisms.step_config import ANCHOR_LABELS, GEPConfig
 from gep_fed.validation import (
     AT_LEAST_ONE,
@@ -265,6 +266,9 @@ class FederationConfig:
                 raise ConfigError("distributed mode needs gep, bgep or gp with noise")
             if self.num_sites < 3:  # the sites refuse smaller secure sums (secure_sum.py)
                 raise ConfigError("distributed mode needs at least 3 sites")
+            Range(MIN_BITS, MAX_BITS, integer=True).check(
+                "quantization_bits", self.quantization_bits
+            )
             if self.shares_needed > self.num_sites:
                 raise ConfigError(
                     f"noise_shares ({self.noise_shares}) cannot exceed num_sites ({self.num_sites})"

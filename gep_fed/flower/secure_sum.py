@@ -221,13 +221,15 @@ class SecureSum:
         collected = answered(replies, Stage.COLLECT_MASKED_VECTORS)
         masked: dict[int, list[np.ndarray]] = {}
         for node, record in collected.items():
-            why = accept(node, replies[node]) or self._masked_problem(
-                record.get(Key.MASKED_PARAMETERS)
-            )
+            try:
+                why = accept(node, replies[node])
+                arrays = None if why else _masked_arrays(record.get(Key.MASKED_PARAMETERS))
+            except ValueError as err:
+                why = str(err)
             if why is not None:
                 failures.append(f"site at node {node}: {why}")
                 continue
-            masked[node] = [bytes_to_ndarray(b) for b in record[Key.MASKED_PARAMETERS]]
+            masked[node] = arrays
         survivors = sorted(masked)
         if len(survivors) < max(threshold, self.min_survivors):
             return SecureSumResult(None, survivors, {}, failures)
@@ -289,20 +291,30 @@ class SecureSum:
 
     def _masked_problem(self, value: object) -> str | None:
         """Why a masked vector is malformed (None: it is two integer arrays in range)."""
-        if not (
-            isinstance(value, list) and len(value) == 2 and all(isinstance(b, bytes) for b in value)
-        ):
-            return f"{Key.MASKED_PARAMETERS} must be two arrays"
         try:
-            arrays = [bytes_to_ndarray(b) for b in value]
-        except ValueError:
-            return f"{Key.MASKED_PARAMETERS} cannot be read as arrays"
-        if arrays[0].shape != (1,) or arrays[1].ndim != 1:
-            return f"{Key.MASKED_PARAMETERS} has shapes {[a.shape for a in arrays]}"
-        for a in arrays:
-            if a.dtype.kind not in "iu" or (a.size and (a.min() < 0 or a.max() >= MOD_RANGE)):
-                return f"{Key.MASKED_PARAMETERS} must hold integers in [0, 2**32)"
+            _masked_arrays(value)
+        except ValueError as err:
+            return str(err)
         return None
+
+
+def _masked_arrays(value: object) -> list[np.ndarray]:
+    """A reply's masked vector as its two arrays (weight, vector), or ``ValueError`` naming
+    what is malformed."""
+    if not (
+        isinstance(value, list) and len(value) == 2 and all(isinstance(b, bytes) for b in value)
+    ):
+        raise ValueError(f"{Key.MASKED_PARAMETERS} must be two arrays")
+    try:
+        arrays = [bytes_to_ndarray(b) for b in value]
+    except ValueError:
+        raise ValueError(f"{Key.MASKED_PARAMETERS} cannot be read as arrays") from None
+    if arrays[0].shape != (1,) or arrays[1].ndim != 1:
+        raise ValueError(f"{Key.MASKED_PARAMETERS} has shapes {[a.shape for a in arrays]}")
+    for a in arrays:
+        if a.dtype.kind not in "iu" or (a.size and (a.min() < 0 or a.max() >= MOD_RANGE)):
+            raise ValueError(f"{Key.MASKED_PARAMETERS} must hold integers in [0, 2**32)")
+    return arrays
 
 
 def _pairs(record: ConfigRecord, first: str, second: str) -> list[tuple] | None:
