@@ -103,14 +103,14 @@ def test_an_honest_run_audits_below_its_claim_and_above_zero(mechanism, mode, ep
 @pytest.mark.parametrize("mechanism", ["gep", "gp"])
 def test_a_distributed_run_audits_below_its_claim(mechanism):
     """Three sites' quantised shares with a third of the noise each, summed as SecAgg+ sums
-    them: the canaries stay below what the distributed accounting claims (which is above the
-    Gaussian's claim for the same sigma). OpenDP's noise cannot be seeded, so each run is a
-    fresh draw; GP's claim is tight at q = 1, so a 95 % bound exceeds it in about 5 % of
-    honest runs (seen once in nine): the bounds here are taken at 99.9 %."""
+    them: the canaries stay below what the distributed accounting claims (the Gaussian's claim
+    for the same sigma, 8, grown a hair by the rounding). OpenDP's noise cannot be seeded, so
+    each run is a fresh draw; GP's claim is tight at q = 1, so a 95 % bound exceeds it in about
+    5 % of honest runs (seen once in nine): the bounds here are taken at 99.9 %."""
     setup = AuditSetup(mechanism=mechanism, mode="distributed", epsilon=8.0, confidence=0.999)
     result = run_audit(setup)
     assert result.placement == "distributed"
-    assert result.claimed_epsilon_rdp > 8.0
+    assert result.claimed_epsilon_rdp == pytest.approx(8.0, rel=0.01)
     assert 0 < result.epsilon_lower_bound <= result.claimed_epsilon_rdp
     assert 0 < result.fitted_mu_lower_bound <= result.claimed_mu
     assert result.caught_by == ()

@@ -19,7 +19,7 @@ from pathlib import Path
 from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.mechanisms.contract import FEDERATED_MECHANISMS, PrivacyContract
-from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS
+from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS, max_secure_sum_sites
 from gep_fed.mechanisms.step_config import ANCHOR_LABELS, GEPConfig
 from gep_fed.validation import (
     AT_LEAST_ONE,
@@ -74,7 +74,9 @@ class FederationConfig:
             the server only their sum: central mode's noise without a trusted server).
         noise_shares, quantization_bits: distributed mode: the sum must hold the noise of at
             least ``noise_shares`` sites (0: all ``num_sites``; each adds 1/t of the
-            variance), quantised modulo ``2**quantization_bits``.
+            variance), quantised modulo ``2**quantization_bits`` (8-24; more bits mean a
+            finer step, so rounding grows the sensitivity less; the secure sum holds
+            ``2**31 / 2**bits`` sites, 127 at the default 24).
         mechanism: "gep", "bgep" or "gp".
         target_epsilon, delta: the budget. The server stops before a round that would exceed
             it; sigma is calibrated to spend exactly it over all rounds when
@@ -126,7 +128,7 @@ class FederationConfig:
         "distributed: the fewest sites whose noise shares the sum must hold (0: all "
         "num-sites); fewer survivors abandon the round",
     )
-    quantization_bits: int = _opt(20, "distributed: bits per coordinate of the secure sum")
+    quantization_bits: int = _opt(24, "distributed: bits per coordinate of the secure sum")
     mechanism: str = _opt(
         "gep",
         "gep (unbiased, two releases per step), bgep, gp (DP-SGD), or langevin (noisy SGD "
@@ -269,6 +271,12 @@ class FederationConfig:
             Range(MIN_BITS, MAX_BITS, integer=True).check(
                 "quantization_bits", self.quantization_bits
             )
+            if self.num_sites > max_secure_sum_sites(self.quantization_bits):
+                raise ConfigError(
+                    f"quantization_bits {self.quantization_bits} lets the secure sum hold at "
+                    f"most {max_secure_sum_sites(self.quantization_bits)} sites, got "
+                    f"num_sites {self.num_sites}: lower quantization_bits"
+                )
             if self.shares_needed > self.num_sites:
                 raise ConfigError(
                     f"noise_shares ({self.noise_shares}) cannot exceed num_sites ({self.num_sites})"

@@ -49,11 +49,11 @@ from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
 
 from gep_fed.federation.wire import describe_error
+from gep_fed.mechanisms.distributed_noise import SECURE_SUM_BITS
 
 log = logging.getLogger("gep_fed.server")
 
-# The secure sum's modulus: Flower's masks are drawn below 2**32.
-MOD_RANGE = 1 << 32
+MOD_RANGE = 1 << SECURE_SUM_BITS
 # The record a site keeps between the collect and unmask stages of a round.
 ROUND_NOISE_KEY = "distributed-round"
 

@@ -38,6 +38,16 @@ from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.validation import ConfigError
 
 MIN_BITS, MAX_BITS = 8, 24
+# The secure sum's modulus is 2**32 (Flower's masks are drawn below it); each share is offset
+# into [0, 2**(bits+1)), so the sum of n shares must stay below it.
+SECURE_SUM_BITS = 32
+
+
+def max_secure_sum_sites(bits: int) -> int:
+    """The most sites whose shares of ``bits`` bits the secure sum holds without wrapping."""
+    return ((1 << SECURE_SUM_BITS) - 1) >> (bits + 1)
+
+
 # The modular range must cover this many standard deviations of a coordinate of the sum.
 RANGE_STDS = 8.0
 
