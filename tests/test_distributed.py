@@ -10,6 +10,7 @@ same mode in a Flower simulation.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -206,6 +207,12 @@ def test_a_site_that_accepts_no_distributed_round_is_named_with_its_refusal(tmp_
     assert row["rejected"] == [
         f"site at node {n}: setup: refused: mode not allowed" for n in (100, 101, 102)
     ]
+    logs = sorted(tmp_path.glob("**/sites/*/rounds.jsonl"))  # each site's own record
+    assert len(logs) == 3
+    for site_log in logs:
+        (entry,) = map(json.loads, site_log.read_text().splitlines())
+        assert entry["outcome"] == "mode not allowed"
+        assert entry["cause"] == "secure sum stage setup: declined"
 
 
 def test_a_site_declines_to_unmask_when_fewer_sites_than_its_noise_needs_survive():

@@ -325,7 +325,11 @@ def make_client_app(
         policy = _site(context, fed, simulation).policy
         return SiteGuard(policy.max_colluding_sites, "distributed" in policy.accepted_modes)
 
-    client = ClientApp(mods=[secure_sum_mod(guard, refusal)])
+    def declined(msg: Message, context: Context, reason: str, cause: str) -> Message:
+        _note_simulated_outcome(msg, context, fed, simulation, reason, cause)
+        return refusal(msg, reason)
+
+    client = ClientApp(mods=[secure_sum_mod(guard, declined)])
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:

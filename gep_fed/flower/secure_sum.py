@@ -404,11 +404,14 @@ def check_round_settings(state: RecordDict, bits: int, noise_shares: int) -> Non
 
 
 def secure_sum_mod(
-    guard_for: Callable[[Context], SiteGuard], refuse: Callable[[Message, str], Message]
+    guard_for: Callable[[Context], SiteGuard],
+    refuse: Callable[[Message, Context, str, str], Message],
 ):
     """A ClientApp mod: a train message of the secure sum is checked by the site's guard
     and answered by Flower's ``secaggplus_mod``; any other message goes to the app. A
-    declined stage or a failure is a refusal with a fixed reason, never an exception text."""
+    declined stage or a failure is a refusal with a fixed reason, never an exception text:
+    ``refuse(msg, context, reason, cause)`` builds it (the cause, naming the stage, is for
+    the site's own records)."""
 
     def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
         configs = msg.content.config_records.get(RECORD_KEY_CONFIGS) if msg.has_content() else None
@@ -430,10 +433,11 @@ def secure_sum_mod(
             return refusal.reply
         except SecureSumDeclined as declined:
             log.warning("secure sum stage %s declined: %s", stage, declined.reason)
-            return refuse(msg, declined.reason)
-        except Exception:
+            return refuse(msg, context, declined.reason, f"secure sum stage {stage}: declined")
+        except Exception as err:
             log.exception("secure sum stage %s failed at this site", stage)
-            return refuse(msg, "malformed round")
+            cause = f"secure sum stage {stage}: {type(err).__name__}: {err}"
+            return refuse(msg, context, "malformed round", cause)
 
     return mod
 
