@@ -23,7 +23,9 @@ Protocol (issue #13):
   target setting's epsilon is recorded beside it. Final runs never use TAN.
 - features: ``scatter`` (ScatterNet J=2, L=8 computed once per data set,
   ``gep_fed.data.scatternet``; per-example GroupNorm; linear head, or ``--head cnn``) or
-  ``raw`` (the tanh CNN ``gep_fed.data.models.MnistCNN`` on the images);
+  ``raw`` (the tanh CNN ``gep_fed.data.models.MnistCNN`` on MNIST's images, ResNet20-GN on
+  CIFAR-10's); ``--width w`` widens the ScatterNet CNN (channels 16w, 32w; hidden 32w) for
+  issue 23's dimension sweep, and each run logs its number of trainable parameters;
 - GEP's public anchors: KMNIST (the 10,000 test images; ``--num-public`` of them, seeded),
   through the same front end, with fresh random labels (``--anchor-labels true``: KMNIST's own).
   CIFAR-10: Tiny-ImageNet's 10,000 validation images at 32x32 (random labels only: their 200
@@ -68,7 +70,7 @@ from gep_fed.accounting import epsilon_pld, epsilon_rdp
 from gep_fed.data.datasets import MNIST_MEAN, MNIST_STD, load_kmnist, load_mnist, to_tensor
 from gep_fed.data.formats import DataError
 from gep_fed.data.metrics import evaluate
-from gep_fed.data.models import MnistCNN
+from gep_fed.data.models import MnistCNN, resnet20_gn
 from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
 from gep_fed.mechanisms.noise import NoiseSource
@@ -107,7 +109,6 @@ DATASETS = {
 
 # (target epsilon, test accuracy to reach); None: the goal is not an accuracy (GOAL_TEXT)
 GOALS = {"mnist": (2.0, 98.5), "fmnist": (3.0, 89.7), "cifar10": (8.0, None)}
-
 
 
 GRIDS_FILE = Path(__file__).with_name("standard_grids.toml")
@@ -238,6 +239,11 @@ class Data:
                     f"({time.perf_counter() - began:.0f} s)",
                     flush=True,
                 )
+            elif self.args.dataset == "cifar10":  # per channel, as the library's cifar10 task
+                from gep_fed.data.builtin_tasks import CIFAR_MEAN, CIFAR_STD
+
+                mean, std = (torch.tensor(c).view(1, 3, 1, 1) for c in (CIFAR_MEAN, CIFAR_STD))
+                x = (to_tensor(images, 0.0, 1.0) - mean) / std
             else:
                 x = to_tensor(images, self.spec["mean"], self.spec["std"])
             if name == "public":
@@ -260,13 +266,25 @@ class Data:
         return tuple(self._features("public").shape[1:])
 
 
+def model_label(args) -> str:
+    """The model as the log and the table name it: the head on ScatterNet features (``cnn-w4``:
+    the CNN at width 4), or on raw pixels MNIST's CNN and CIFAR-10's ResNet20-GN."""
+    if args.features == "raw":
+        return "resnet20" if args.dataset == "cifar10" else "cnn"
+    return args.head + (f"-w{args.width}" if args.width != 1 else "")
+
+
 def build_model(args, data: Data) -> torch.nn.Module:
     if args.features == "raw":
-        return MnistCNN()
+        return resnet20_gn(3, 10) if args.dataset == "cifar10" else MnistCNN()
     from gep_fed.data.scatternet import scatter_cnn, scatter_linear
 
-    make = scatter_linear if args.head == "linear" else scatter_cnn
-    return make(10, data.feature_shape, groups=args.groups)
+    if args.head == "linear":
+        return scatter_linear(10, data.feature_shape, groups=args.groups)
+    w = args.width  # Tramer & Boneh's CNN at width 1; the dimension sweep widens it
+    return scatter_cnn(
+        10, data.feature_shape, groups=args.groups, channels=(16 * w, 32 * w), hidden=32 * w
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,11 +399,12 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
     n = len(x)
     torch.manual_seed(args.seed)
     model = build_model(args, data)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if setting.get("warm"):
         warm_start(model, data, setting["warm"], args.seed)
     opt = OptimizerConfig(lr=setting["lr"], momentum=0.9)
     q, steps = schedule(n, setting["batch"], setting["epochs"])
-    rec = {"n_train": n, "n_eval": len(eval_xy[0]), "steps": steps}
+    rec = {"n_train": n, "n_eval": len(eval_xy[0]), "steps": steps, "params": params}
     wall, cpu = time.perf_counter(), time.process_time()
     if method == "nonprivate":
         res = train_nonprivate(
@@ -507,7 +526,7 @@ def run_key(args, method: str, setting: dict, stage: str) -> str:
         "stage": stage,
         "dataset": args.dataset,
         "features": args.features,
-        "head": args.head if args.features == "scatter" else "cnn",
+        "head": model_label(args),
         "groups": args.groups if args.features == "scatter" else None,
         "method": method,
         "epsilon": None if method == "nonprivate" else args.epsilon,
@@ -546,6 +565,12 @@ def parse_args(argv=None):
         "--head", choices=("linear", "cnn"), default="linear", help="model on ScatterNet features"
     )
     ap.add_argument("--groups", type=int, default=27, help="GroupNorm groups on the features")
+    ap.add_argument(
+        "--width",
+        type=int,
+        default=1,
+        help="with --head cnn: channels (16w, 32w) and hidden 32w (the dimension sweep)",
+    )
     ap.add_argument(
         "--grid",
         default="small",
@@ -618,17 +643,13 @@ def parse_args(argv=None):
         args.epsilon = GOALS[args.dataset][0]
     if args.val_size is None:
         args.val_size = DATASETS[args.dataset]["val_size"]
-    if args.dataset == "cifar10" and not args.table_only:
-        if args.features == "raw":
-            raise SystemExit(
-                "--features raw is not supported for cifar10 (the raw-pixel CNN is MNIST's "
-                "one-channel model); use --features scatter"
-            )
-        if args.anchor_labels == "true":
-            raise SystemExit(
-                "--anchor-labels true is not supported for cifar10: the Tiny-ImageNet anchors' "
-                "labels are 200 classes, the model has 10 outputs; use --anchor-labels random"
-            )
+    if args.width < 1 or (args.width != 1 and (args.features, args.head) != ("scatter", "cnn")):
+        raise SystemExit(f"--width {args.width}: a width >= 1 of --head cnn on scatter features")
+    if args.dataset == "cifar10" and not args.table_only and args.anchor_labels == "true":
+        raise SystemExit(
+            "--anchor-labels true is not supported for cifar10: the Tiny-ImageNet anchors' "
+            "labels are 200 classes, the model has 10 outputs; use --anchor-labels random"
+        )
     return args
 
 
@@ -667,7 +688,7 @@ def main(argv=None) -> int:
             "stage": stage,
             "dataset": args.dataset,
             "features": args.features,
-            "head": args.head if args.features == "scatter" else "cnn",
+            "head": model_label(args),
             "method": method,
             "epsilon": None if method == "nonprivate" else args.epsilon,
             "grid": args.grid,

@@ -72,6 +72,14 @@ def fmt_setting(method: str, s: dict) -> str:
     return " ".join(parts)
 
 
+def model_text(rec: dict) -> str:
+    """Features and model of a logged run: ``scatter+linear``, ``scatter+cnn-w4``, ``raw``
+    (MNIST's CNN) or ``raw+resnet20``, with its trainable parameters when logged."""
+    raw_cnn = rec["features"] == "raw" and rec["head"] == "cnn"
+    text = "raw" if raw_cnn else f"{rec['features']}+{rec['head']}"
+    return text + (f" ({rec['params']:,})" if rec.get("params") else "")
+
+
 def _eps(rec: dict, which: str) -> str:
     v = rec.get(which)
     return "-" if v is None else f"{v:.3f}"
@@ -151,7 +159,7 @@ def write_table(
     finals = [r for r in records if r["stage"] == "final"]
     tunes = [r for r in records if r["stage"] == "tune"]
     for r in finals:
-        feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
+        feats = model_text(r)
         val = r.get("chosen_val_accuracy")
         lines.append(
             f"| {r['method']} | {feats} | {r.get('grid', '-')}"
@@ -188,7 +196,7 @@ def write_table(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in tunes:
-        feats = r["features"] + ("" if r["features"] == "raw" else f"+{r['head']}")
+        feats = model_text(r)
         t = r.get("target") or {}
         if r["method"] == "nonprivate":
             eps_run, eps_t, sig = "-", "-", "0"

@@ -63,3 +63,32 @@ def test_the_grids_file_is_checked_for_equal_tuning_budgets(tmp_path):
     (tmp_path / "grids.toml").write_text(unequal)
     with pytest.raises(ValueError, match="unequal tuning budgets"):
         standard.load_grids(tmp_path / "grids.toml")
+
+
+class _Shaped:
+    feature_shape = (243, 8, 8)  # CIFAR-10's ScatterNet features
+
+
+def test_the_dimension_sweep_widens_the_scatternet_cnn_from_50k_to_1m_parameters():
+    """Issue 23's model family on CIFAR-10: the linear head, the CNN at widths 1-6, and
+    ResNet20-GN on raw pixels, each named apart in the log's key."""
+    sizes, labels = {}, set()
+    for argv in (
+        ["--head", "linear"],
+        *(["--head", "cnn", "--width", str(w)] for w in (1, 2, 4, 6)),
+        ["--features", "raw"],
+    ):
+        args = standard.parse_args(["--dataset", "cifar10", *argv])
+        model = standard.build_model(args, _Shaped())
+        sizes[standard.model_label(args)] = sum(p.numel() for p in model.parameters())
+        labels.add(standard.run_key(args, "gp", {"lr": 1}, "tune"))
+    assert len(labels) == 6
+    widths = [sizes[k] for k in ("cnn", "cnn-w2", "cnn-w4", "cnn-w6")]
+    assert 40_000 < widths[0] < 70_000 and 800_000 < widths[-1] < 1_200_000
+    assert widths == sorted(widths)
+    assert sizes["linear"] == 155_530 and sizes["resnet20"] == 272_474
+
+
+def test_a_width_on_another_model_is_refused():
+    with pytest.raises(SystemExit, match="--width 2"):
+        standard.parse_args(["--width", "2"])
