@@ -38,7 +38,7 @@ def partition_indices(
     if scheme == "dirichlet" and not alpha > 0:
         raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
     perm = np.random.default_rng(seed).permutation(len(labels))
-    table = Dataset.from_dict({"label": labels[perm].tolist(), "index": perm.tolist()})
+    table = Dataset.from_dict({"label": np.asarray(labels)[perm], "index": perm})
     if scheme == "iid":
         partitioner = IidPartitioner(num_partitions=num_sites)
     else:
@@ -51,7 +51,8 @@ def partition_indices(
             seed=seed,
         )
     partitioner.dataset = table
+    # the index column read at once (iterating a column reads it row by row)
     return [
-        np.sort(np.asarray(partitioner.load_partition(i)["index"], dtype=np.int64))
+        np.sort(partitioner.load_partition(i).with_format("numpy")[:]["index"].astype(np.int64))
         for i in range(num_sites)
     ]

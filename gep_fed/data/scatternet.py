@@ -175,8 +175,8 @@ def scatter_features(
     path = None
     if cache_dir is not None:
         path = Path(cache_dir) / f"scatter-{_fingerprint(x, J, L)}.pt"
-        if path.exists():
-            return torch.load(path, weights_only=True)
+        if path.exists():  # mapped, not read: many simulated sites share one copy in memory
+            return torch.load(path, weights_only=True, mmap=True)
     net = _cached_net(tuple(x.shape[2:]), x.shape[1], J, L)
     out = torch.empty(x.shape[0], *net.output_shape, dtype=torch.float32)
     starts = range(0, x.shape[0], batch_size)
