@@ -29,6 +29,15 @@ from gep_fed.mechanisms.distributed_noise import (
 from gep_fed.mechanisms.mechanism import ClippedSums
 
 
+def test_the_noise_sampler_on_several_threads_keeps_every_coordinate_in_place(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    values = np.arange(5 * 8192 + 7, dtype=np.int64) * 1000
+    noisy = discrete_gaussian(values, 2.0)
+    assert noisy.shape == values.shape
+    assert np.abs(noisy - values).max() < 40  # 20 scales: each draw stayed with its value
+    assert 1.8 < np.std(noisy - values) < 2.2
+
+
 def test_the_noise_sampler_draws_the_exact_discrete_gaussian():
     scale, n = 1.5, 200_000
     draws = discrete_gaussian(np.zeros(n, dtype=np.int64), scale)
