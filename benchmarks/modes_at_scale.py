@@ -60,12 +60,19 @@ def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
         "sigma": json.loads((result.run_dir / "config.json").read_text())[
             "resolved-noise-multiplier"
         ],
+        "dimension": quantised_dimension(result.run_dir),
         "run_dir": str(result.run_dir),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     with log.open("a") as fh:
         fh.write(json.dumps(row) + "\n")
     return row
+
+
+def quantised_dimension(run_dir: Path) -> int | None:
+    """The length of a distributed run's quantised shares, from its ledger (None otherwise)."""
+    events = json.loads((Path(run_dir) / "ledger.json").read_text())["events"]
+    return events[0].get("dimension") if events else None
 
 
 def table(rows: list[dict]) -> str:
@@ -77,19 +84,27 @@ def table(rows: list[dict]) -> str:
         "`local-steps` per round). Megabytes per round per site count every message's arrays "
         "and byte strings, both ways (`gep_fed.flower.strategy.MeteredGrid`). Seeds fixed "
         "(partition, anchors, model, the central and client noise); the distributed noise is "
-        "OpenDP's, seeded by the operating system.",
+        "OpenDP's, seeded by the operating system. Quantised d: the length of a distributed "
+        "share (padded first to a power of two, then, from commit 'Distributed shares padded "
+        "to c 2**b', to the next c 2**b with c in 1, 3, 5).",
         "",
         "| task | sites | partition | epsilon | mode | sigma | test accuracy | epsilon spent | "
-        "rounds | s/round | MB/round/site |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "rounds | s/round | MB/round/site | quantised d |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate(MODES)}
-    for r in sorted(rows, key=lambda r: (r["key"].rsplit("/", 1)[0], order[r["mode"]])):
+
+    def place(r: dict) -> tuple:
+        task = r["key"].split("/")[0]
+        return task, r["partition"], r["epsilon_target"], r["sites"], order[r["mode"]]
+
+    for r in sorted(rows, key=place):
         task = r["key"].split("/")[0]
         lines.append(
             f"| {task} | {r['sites']} | {r['partition']} | {r['epsilon_target']:g} | {r['mode']} "
             f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {r['rounds']} | "
-            f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} |"
+            f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} | "
+            f"{r.get('dimension') or '-'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -58,12 +58,28 @@ def test_the_noise_sampler_adds_noise_of_its_scale_to_large_integers():
     )
 
 
-def test_the_rotation_is_orthonormal_and_its_own_inverse():
-    x = torch.randn(256, dtype=torch.float64)
+@pytest.mark.parametrize("d", [256, 48, 80, 12 * 64, 20 * 32])
+def test_the_rotation_is_orthonormal_flat_and_inverted_by_its_transpose(d):
+    """Every order it pads to (2**b, 12 * 2**b, 20 * 2**b): each entry of the matrix is
+    +-1/sqrt(d), so a vector spreads over the coordinates as under Sylvester's transform."""
+    x = torch.randn(d, dtype=torch.float64)
     y = hadamard(x)
     assert float(torch.linalg.vector_norm(y)) == pytest.approx(float(torch.linalg.vector_norm(x)))
-    torch.testing.assert_close(hadamard(y), x)
-    assert padded_dimension(300) == 512 and padded_dimension(256) == 256
+    torch.testing.assert_close(hadamard(y, transpose=True), x)
+    if d <= 80:
+        matrix = torch.stack([hadamard(e) for e in torch.eye(d, dtype=torch.float64)])
+        torch.testing.assert_close(matrix.abs(), torch.full_like(matrix, d**-0.5))
+
+
+def test_a_vector_pads_by_at_most_a_third_to_an_order_of_the_rotation():
+    assert padded_dimension(256) == 256 and padded_dimension(300) == 320
+    assert padded_dimension(39_790) == 40_960  # Fashion-MNIST's GEP release (2**16 before)
+    for length in range(12, 5000):
+        d = padded_dimension(length)
+        assert length <= d <= length * 4 / 3
+        hadamard(torch.zeros(d))  # an order it can rotate
+    with pytest.raises(ValueError, match="not an order"):
+        hadamard(torch.zeros(60))
 
 
 def test_the_decoded_sum_is_the_sites_clipped_sums_plus_noise_of_the_target_std():

@@ -104,7 +104,7 @@ class PrivacyContract:
 
     def quantized_dimension(self, num_basis: int | None, num_params: int) -> int:
         """The length of a site's quantised release: embedding (k) and residual (p) as the
-        mechanism releases them, padded to a power of two."""
+        mechanism releases them, padded to an order of the rotation."""
         cls = self.mechanism_type
         length = (num_basis or 0) * cls.uses_subspace + num_params * (cls.name != "bgep")
         return padded_dimension(length)

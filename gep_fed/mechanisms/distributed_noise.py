@@ -6,10 +6,11 @@ carries the noise of every site in it. Per site and step:
 
 1. normalise: the released vectors divided by their clip norms and concatenated (GEP:
    embedding / S1 and residual / S2, so one example moves it by at most sqrt(2)), padded to
-   ``d = 2**ceil(log2(length))``;
-2. rotate with a randomised Hadamard transform (random signs from a public per-round seed):
-   it spreads the vector over the coordinates, so few wrap around the modulus; any rotation
-   keeps L2 norms, so privacy does not depend on the seed;
+   the next order ``d = c 2**b`` (c in 1, 3, 5) of a Hadamard matrix (``padded_dimension``);
+2. rotate with a randomised Hadamard transform (random signs from a public per-round seed,
+   then Sylvester's 2**b kron Paley's order 12 or 20): it spreads the vector over the
+   coordinates, so few wrap around the modulus; any rotation keeps L2 norms, so privacy does
+   not depend on the seed;
 3. scale by ``1 / step`` and round each coordinate up or down at random (unbiased);
 4. add a discrete Gaussian of scale ``sigma / (step * sqrt(noise_shares))`` per coordinate,
    drawn by OpenDP's exact sampler from the operating system's randomness;
@@ -52,22 +53,67 @@ def max_secure_sum_sites(bits: int) -> int:
 RANGE_STDS = 8.0
 
 
+@lru_cache(maxsize=4)
+def _paley(q: int) -> torch.Tensor:
+    """A Hadamard matrix of order q + 1 for a prime q = 3 (mod 4), by Paley's first
+    construction: ``I + [[0, 1^T], [-1, Q]]`` with ``Q[i, j]`` the quadratic character of
+    ``j - i`` mod q (Q is antisymmetric and ``Q Q^T = q I - J``, so ``H H^T = (q + 1) I``)."""
+    squares = {(i * i) % q for i in range(1, q)}
+    idx = torch.arange(q)
+    diff = (idx.view(1, -1) - idx.view(-1, 1)) % q
+    chi = torch.tensor([0.0] + [1.0 if a in squares else -1.0 for a in range(1, q)])
+    h = torch.eye(q + 1, dtype=torch.float64)
+    h[0, 1:] += 1
+    h[1:, 0] -= 1
+    h[1:, 1:] += chi.double()[diff]
+    return h
+
+
+# Hadamard orders beside Sylvester's 2**b: 12 and 20 (Paley, from 11 and 19). Their Kronecker
+# products with 2**b give every order c 2**b, c in {1, 3, 5}, so a vector pads by at most a
+# third rather than up to double; each entry is still +-1/sqrt(d), spreading as evenly.
+_ODD_ORDERS = {1: None, 3: 11, 5: 19}
+
+
 def padded_dimension(length: int) -> int:
-    """The quantised vector's dimension: ``length`` padded to a power of two."""
-    return 1 << max(0, math.ceil(math.log2(max(length, 1))))
+    """The quantised vector's dimension: the smallest order ``c * 2**b`` (c in 1, 3, 5; for
+    3 and 5, b >= 2) of a Hadamard transform at least ``length``."""
+    length = max(length, 1)
+    best = 1 << math.ceil(math.log2(length))
+    for odd in (3, 5):
+        b = max(2, math.ceil(math.log2(length / odd)))
+        best = min(best, odd << b)
+    return best
 
 
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """The orthonormal Walsh-Hadamard transform of a vector whose length is a power of two
-    (its own inverse)."""
-    d = x.numel()
-    y = x.clone()
+def _factor(d: int) -> tuple[torch.Tensor | None, int]:
+    """The dense Hadamard factor (None for 1) and the power of two of order ``d``."""
+    odd = d >> ((d & -d).bit_length() - 1)
+    if odd not in _ODD_ORDERS or (odd > 1 and d % (4 * odd)):
+        raise ValueError(f"{d} is not an order of the rotation (see padded_dimension)")
+    q = _ODD_ORDERS[odd]
+    return (None, d) if q is None else (_paley(q), d // (q + 1))
+
+
+def _fwht_rows(y: torch.Tensor) -> torch.Tensor:
+    """The unnormalised Walsh-Hadamard transform of each row (length a power of two)."""
+    rows, n = y.shape
     h = 1
-    while h < d:
-        y = y.view(-1, 2, h)
-        y = torch.stack((y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]), dim=1)
+    while h < n:
+        y = y.reshape(rows, -1, 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
         h *= 2
-    return y.reshape(d) / math.sqrt(d)
+    return y.reshape(rows, n)
+
+
+def hadamard(x: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """The orthonormal Hadamard transform ``(H_c kron H_n) x / sqrt(d)`` of a vector of a
+    ``padded_dimension`` length d = c n (``transpose``: its inverse, ``H_c^T kron H_n``)."""
+    dense, n = _factor(x.numel())
+    y = x.reshape(-1, n)
+    if dense is not None:
+        y = (dense.T if transpose else dense).to(y.dtype) @ y
+    return _fwht_rows(y).reshape(-1) / math.sqrt(x.numel())
 
 
 def rotation_signs(seed: int, dimension: int) -> torch.Tensor:
@@ -233,7 +279,7 @@ class DistributedNoise:
         centred = np.where(modular_sum >= m // 2, modular_sum - m, modular_sum).astype(np.float64)
         d = centred.size
         x = torch.from_numpy(centred) * self.step
-        flat = hadamard(x) * rotation_signs(rotation_seed, d)
+        flat = hadamard(x, transpose=True) * rotation_signs(rotation_seed, d)
         clips = release_clips(mechanism)
         parts, start = [], 0
         for length, clip in zip(shapes, clips, strict=True):
