@@ -25,10 +25,10 @@ def test_processes_computing_the_same_cached_features_at_once_all_succeed(tmp_pa
     """Several real processes, released together by a barrier (a race: the old fixed
     temporary name failed here in some runs, not all)."""
     context = multiprocessing.get_context("spawn")
-    barrier, results = context.Barrier(3), context.Queue()
+    barrier, results = context.Barrier(2), context.Queue()
     workers = [
         context.Process(target=_features, args=(str(tmp_path), barrier, results))
-        for _ in range(3)
+        for _ in range(2)
     ]
     for w in workers:
         w.start()
