@@ -41,13 +41,13 @@ def test_built_in_names_and_import_paths_resolve():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["client"])  # central: the deployment guide's user task
-def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch, mode):
+def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch):
+    """Client mode (central mode with a user's task is the deployment guide's first run)."""
     # Ray's workers import the task by its path, as a deployed site does
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     fed = FederationConfig(
         task="example_task:TwoFindingsTask",
-        mode=mode,
+        mode="client",
         rounds=2,
         local_steps=2,
         num_basis=16,
@@ -62,7 +62,7 @@ def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch, m
     assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
     last = result.metrics[-1]
     assert 0 <= last["test_auroc"] <= 1 and not math.isnan(last["test_balanced_accuracy"])
-    steps = 2 if mode == "central" else 2 * 2
+    steps = 2 * 2  # rounds x local steps
     for site in range(3):
         ledger = PrivacyLedger.load_keyed(result.run_dir / "sites" / f"site-{site}" / "ledger.json")
         assert ledger.steps == steps
