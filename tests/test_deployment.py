@@ -58,23 +58,33 @@ def run_bash(script: str, env: dict, timeout: int) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.slow
-def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
-    blocks = guide_blocks()
-    assert len(blocks) >= 7 and "stop.sh" in blocks[-1]
-    env = federation_env(tmp_path / "federation")
-    try:
-        done = run_bash("\n".join(blocks[:-1]), env, timeout=1200)
-        log = done.stdout[-4000:] + done.stderr[-4000:]
-        assert done.returncode == 0, log
-    finally:
-        run_bash(blocks[-1], env, timeout=60)
-    deploy = tmp_path / "federation"
-    for pidfile in (deploy / "pids").glob("*.pid"):
-        raise AssertionError(f"{pidfile} left behind: a process was not stopped")
-    leftovers = subprocess.run(["pgrep", "-f", str(deploy)], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == "", "processes of the federation still run"
+SETUP = 6  # the guide's blocks up to and including the SuperNodes' start
 
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """The guide's federation, set up once by its own first blocks. The guide's runs, the
+    fault scenario and the guide's stop block then use it, in that order (this file's)."""
+    blocks = guide_blocks()
+    assert len(blocks) > SETUP + 2 and "stop.sh" in blocks[-1]
+    assert "start-supernode.sh" in blocks[SETUP - 1] and "flwr run" in blocks[SETUP]
+    deploy = tmp_path_factory.mktemp("deployment") / "federation"
+    env = federation_env(deploy)
+    try:
+        setup = run_bash("\n".join(blocks[:SETUP]), env, timeout=600)
+        assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+        yield deploy, env
+    finally:
+        run_bash(blocks[0] + "\n" + blocks[-1], env, timeout=60)
+
+
+@pytest.mark.slow
+def test_deployment_guide_runs_a_tls_authenticated_federation(federation):
+    deploy, env = federation
+    blocks = guide_blocks()
+    # with block 0 again: the settings a reader's shell keeps between the guide's blocks
+    done = run_bash("\n".join(blocks[:1] + blocks[SETUP:-1]), env, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     central = RunDirectory.open(deploy / "runs" / "central")
     rows = central.read_metrics()
     assert [r["round"] for r in rows] == [1, 2] and all(r["sites_ok"] == 3 for r in rows)
@@ -83,8 +93,8 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(tmp_path):
     assert [r["sites_ok"] for r in client.read_metrics()] == [3, 3]
     distributed = RunDirectory.open(deploy / "runs" / "distributed")
     assert [r["sites_ok"] for r in distributed.read_metrics()] == [3]
-    federation = PrivacyLedger.load(distributed.ledger_path)
-    assert [e.placement for e in federation.events] == ["distributed"]
+    coordinator = PrivacyLedger.load(distributed.ledger_path)
+    assert [e.placement for e in coordinator.events] == ["distributed"]
     for site in range(3):
         # each hospital's own ledger holds the three runs: 2 central rounds (noised by the
         # trusted coordinator), 2 x 3 client-side steps and 1 distributed round (its share
@@ -136,42 +146,36 @@ def kill_group(pidfile: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_path):
-    blocks = guide_blocks()
-    deploy = tmp_path / "federation"
-    env = federation_env(deploy)
+def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(federation):
+    deploy, env = federation
     run_dir = deploy / "runs" / "faults"
+    # a small target: the sites' budgets of 8 already hold the guide's three runs
     command = (
         "flwr run . hospitals --stream --run-config "
         "\"task='examples.hospital.task:ChestXrayFolders' "
-        "data-dir='$DATA' mode='central' target-epsilon=4.0 rounds=3 "
+        "data-dir='$DATA' mode='central' target-epsilon=1.0 rounds=3 "
         "total-examples=4708 min-sites=2 round-timeout=25.0 "
         f"run-dir='{deploy / 'runs'}' run-name='faults'\""
     )
-    try:
-        setup = run_bash("\n".join(blocks[:6]), env, timeout=600)  # settings .. SuperNodes
-        assert setup.returncode == 0, setup.stderr[-3000:]
-        first = subprocess.Popen(
-            ["bash", "-c", command],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for_round(run_dir, 1)
-        kill_group(deploy / "pids" / "site-2.pid")  # a hospital goes down mid-run
-        wait_for_round(run_dir, 2)
-        # the coordinator's ServerApp process dies
-        group = int((deploy / "pids" / "superlink.pid").read_text())
-        subprocess.run(["pkill", "-KILL", "-g", str(group), "-f", "flwr-serverapp"], check=False)
-        first.kill()
-        first.wait(timeout=30)
-        # the operator stops the orphaned run, so the sites drop its pending round
-        assert stop_running_runs(env) == 1
-        again = run_bash(command, env, timeout=600)  # restart: resumes from the checkpoint
-        assert again.returncode == 0, again.stderr[-3000:]
-    finally:
-        run_bash(blocks[-1], env, timeout=60)
+    first = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_round(run_dir, 1)
+    kill_group(deploy / "pids" / "site-2.pid")  # a hospital goes down mid-run
+    wait_for_round(run_dir, 2)
+    # the coordinator's ServerApp process dies
+    group = int((deploy / "pids" / "superlink.pid").read_text())
+    subprocess.run(["pkill", "-KILL", "-g", str(group), "-f", "flwr-serverapp"], check=False)
+    first.kill()
+    first.wait(timeout=30)
+    # the operator stops the orphaned run, so the sites drop its pending round
+    assert stop_running_runs(env) == 1
+    again = run_bash(command, env, timeout=600)  # restart: resumes from the checkpoint
+    assert again.returncode == 0, again.stderr[-3000:]
     rows = RunDirectory(run_dir).read_metrics()
     rounds = [r["round"] for r in rows]
     assert rounds == sorted(set(rounds)) and rounds[-1] == 3, rounds
@@ -179,6 +183,18 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(tmp_pat
     assert all(r["applied"] and r["sites_ok"] >= 2 for r in rows)
     ledger = PrivacyLedger.load(run_dir / "ledger.json")
     assert [e.round for e in ledger.events] == [1, 2, 3]  # nothing lost, nothing twice
+
+
+@pytest.mark.slow
+def test_the_guides_last_block_stops_every_process_of_the_federation(federation):
+    deploy, env = federation
+    blocks = guide_blocks()
+    stopped = run_bash(blocks[0] + "\n" + blocks[-1], env, timeout=60)
+    assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    for pidfile in (deploy / "pids").glob("*.pid"):
+        raise AssertionError(f"{pidfile} left behind: a process was not stopped")
+    leftovers = subprocess.run(["pgrep", "-f", str(deploy)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == "", "processes of the federation still run"
 
 
 @pytest.mark.parametrize(
