@@ -1,7 +1,8 @@
 """The three noise placements at growing federation sizes (issue 22): central, client-side and
 distributed (SecAgg+) mode on the same data, sites and seeds, at equal private steps.
 
-Each run is one Flower simulation of the task's recommended settings; its figures (test
+Each run is one Flower simulation of the task's recommended settings, the cell ``gep-fed
+compare`` runs for that mode (``gep_fed.cli.compare.matrix``); its figures (test
 accuracy, epsilon, seconds and megabytes per round per site) go to
 ``benchmarks/results/modes/runs.jsonl`` as it finishes, and a run already there is skipped, so
 an interrupted benchmark resumes where it stopped. ``--table`` writes the Markdown table from
@@ -20,6 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from gep_fed.cli.compare import matrix
 from gep_fed.federation.config import FederationConfig
 from gep_fed.flower.simulation import simulate
 
@@ -35,6 +37,15 @@ def done_runs(log: Path) -> dict[str, dict]:
     if not log.exists():
         return {}
     return {row["key"]: row for row in map(json.loads, log.read_text().splitlines()) if row}
+
+
+def compare_cell(
+    base: FederationConfig, epsilon: float, mechanism: str, mode: str, run_key: str
+) -> FederationConfig:
+    """The run ``gep-fed compare`` makes for this mode and mechanism (at equal private steps),
+    under the benchmark's own run name."""
+    ((_, fed),) = matrix(base, [epsilon], mechanisms=(mechanism,), modes=(mode,))[1:]
+    return replace(fed, run_name=run_key.replace("/", "_"))
 
 
 def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
@@ -145,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         run_name=run_key.replace("/", "_"),
                         **({"rounds": args.rounds} if args.rounds else {}),
                     )
-                    one_step = base.rounds * base.local_steps
-                    fed = replace(
-                        base, mode=mode, rounds=base.rounds if mode == "client" else one_step
-                    )
+                    fed = compare_cell(base, args.epsilon, args.mechanism, mode, run_key)
                     print(f"running {run_key}", file=sys.stderr, flush=True)
                     row = run_one(fed, run_key, log)
                     print(
