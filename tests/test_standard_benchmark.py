@@ -92,3 +92,28 @@ def test_the_dimension_sweep_widens_the_scatternet_cnn_from_50k_to_1m_parameters
 def test_a_width_on_another_model_is_refused():
     with pytest.raises(SystemExit, match="--width 2"):
         standard.parse_args(["--width", "2"])
+
+
+def test_a_settings_weight_decay_and_learning_rate_drop_reach_the_optimizer():
+    from gep_fed.training import OptimizerConfig
+
+    paper = standard.optimizer_config({"lr": 0.1, "wd": 1e-4, "decay_at": 0.5, "batch": 1000})
+    assert paper == OptimizerConfig(lr=0.1, momentum=0.9, weight_decay=1e-4, decay_at=0.5)
+    assert standard.optimizer_config({"lr": 2.0}) == OptimizerConfig(lr=2.0, momentum=0.9)
+
+
+def test_opacus_runs_follow_the_settings_weight_decay_and_learning_rate_drop():
+    """Zero inputs and no noise: only the weight decay moves the weights, less after the drop."""
+    import torch
+
+    def final_norm(setting: dict) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2, bias=False)
+        x, y = torch.zeros(8, 3), torch.zeros(8, dtype=torch.long)
+        opt = standard.optimizer_config({"lr": 1.0, **setting})
+        model, _ = standard.train_opacus_poisson(model, x, y, 0.0, 1.0, 0.5, 6, opt, 0, 8)
+        return float(model._module.weight.norm())
+
+    plain, decayed = final_norm({}), final_norm({"wd": 0.1})
+    dropped = final_norm({"wd": 0.1, "decay_at": 0.5})
+    assert decayed < dropped < plain
