@@ -84,6 +84,30 @@ class GatedBatchCentring(nn.Module):
         return self.fc2(torch.tanh(h + self.gate * (h - h.mean(0, keepdim=True))))
 
 
+class InputIndependentLayer(nn.Module):
+    """A layer whose input does not depend on the model's input (a learned offset of a
+    constant): no gradient with respect to the input passes through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset, self.out = nn.Linear(3, 12), nn.Linear(12, 4)
+        self.register_buffer("constant", torch.linspace(-1, 1, 3))
+
+    def forward(self, x):
+        return self.out(torch.tanh(x + self.offset(self.constant.expand(len(x), 3))))
+
+
+class EmbeddedSigns(nn.Module):
+    """An embedding of indices computed from the input (no gradient reaches the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.out = nn.Embedding(2, 5), nn.Linear(12 * 5, 4)
+
+    def forward(self, x):
+        return self.out(self.embed((x > 0).long()).flatten(1))
+
+
 def frozen_mlp() -> nn.Module:
     model = MLP(12, 4, hidden=(16, 8))
     model.hidden[0].requires_grad_(False)
@@ -104,6 +128,8 @@ MODELS = {
     "layer_without_rule": (WithCustomLayer, (12,)),
     "shared_layer": (SharedLayer, (12,)),
     "unused_parameters": (unused_head, (12,)),
+    "input_independent_layer": (InputIndependentLayer, (12,)),
+    "embedding_of_the_input": (EmbeddedSigns, (12,)),
 }
 
 

@@ -89,3 +89,28 @@ def test_a_step_spans_its_latest_releases_at_no_privacy_cost():
         ledgers.append(step.ledger.epsilon())
     assert dims[1] > dims[0]
     assert ledgers[0] == ledgers[1]
+
+
+def test_the_basis_checks_read_every_row_of_a_basis_taller_than_their_blocks():
+    """Orthonormality error and Frobenius norm are summed over float64 blocks of rows; a
+    departure in the last row of a basis longer than two blocks is counted."""
+    from gep_fed.mechanisms.subspace import CHECK_ROWS, AnchorSubspace
+
+    gen = torch.Generator().manual_seed(3)
+    layout = flat_layout(2 * CHECK_ROWS + 5)
+    basis = torch.linalg.qr(torch.randn(layout.size, 4, generator=gen)).Q
+    exact = AnchorSubspace(layout, (basis,))
+    assert exact.orthonormality_error < 1e-5
+    bumped = basis.clone()
+    bumped[-1] += 0.1
+    off = AnchorSubspace(layout, (bumped,))
+    b64 = bumped.double()
+    whole = float(torch.linalg.matrix_norm(b64.T @ b64 - torch.eye(4, dtype=torch.float64)))
+    assert whole > 0.01
+    assert whole <= off.orthonormality_error <= whole * (1 + 1e-6) + 1e-9
+    (norm,) = off.frobenius_norms
+    assert (
+        float(torch.linalg.matrix_norm(b64))
+        <= norm
+        <= float(torch.linalg.matrix_norm(b64)) * (1 + 1e-9)
+    )

@@ -148,40 +148,10 @@ def layer_gradients(
     served = [
         s for s in _served_layers(model) if any(id(p) in wanted for p in s.module.parameters())
     ]
-    records: list[tuple[ServedLayer, list[torch.Tensor], torch.Tensor, int]] = []
-
-    def capture(layer: ServedLayer):
-        def hook(_module, args, output):
-            if not isinstance(output, torch.Tensor):
-                raise LayerEngineUnavailable(
-                    f"layer {layer.name} returns a {type(output).__name__}"
-                )
-            records.append((layer, [a.detach() for a in args], output, output._version))
-
-        return hook
-
-    handles = [s.module.register_forward_hook(capture(s)) for s in served]
-    try:
-        with torch.enable_grad():
-            outputs = model(inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    changed = [layer.name for layer, _, output, version in records if output._version != version]
-    if changed:
-        raise LayerEngineUnavailable(
-            f"the outputs of {', '.join(changed)} are modified in place later in the forward "
-            "pass (e.g. ReLU(inplace=True) or `out += x`); make those operations out of place"
-        )
-    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)), randomness="different")(
-        outputs, targets
-    )
-    backprops = torch.autograd.grad(losses.sum(), [r[2] for r in records], allow_unused=True)
     written: set[int] = set()
-    for (layer, activations, output, _), backprop in zip(records, backprops, strict=True):
-        if backprop is None:  # the output does not reach the loss
-            continue
-        rule = _rule_for(layer, activations[0], output)
+
+    def write(layer: ServedLayer, activations: list[torch.Tensor], backprop: torch.Tensor):
+        rule = _rule_for(layer, activations[0])
         for param, grad in rule(layer.module, activations, backprop).items():
             if id(param) not in wanted:
                 continue
@@ -192,13 +162,63 @@ def layer_gradients(
             else:
                 block.copy_(grad.reshape(block.shape))
                 written.add(id(param))
+
+    # Each layer's per-example gradients are made as soon as its output gradient exists in
+    # the backward pass, and its inputs and output gradient are freed then: no pass holds
+    # every layer's output gradient at once.
+    outputs_at: list[tuple[str, torch.Tensor, int]] = []  # for the in-place check
+    roots: list[torch.Tensor] = []  # outputs not downstream of the input: asked for by name
+
+    def capture(layer: ServedLayer):
+        def hook(_module, args, output):
+            if not isinstance(output, torch.Tensor):
+                raise LayerEngineUnavailable(
+                    f"layer {layer.name} returns a {type(output).__name__}"
+                )
+            if not output.requires_grad:
+                return
+            kept = [[a.detach() for a in args]]
+            if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                roots.append(output)
+            outputs_at.append((layer.name, output, output._version))
+
+            def on_gradient(backprop: torch.Tensor) -> None:
+                write(layer, kept.pop(), backprop)
+
+            output.register_hook(on_gradient)
+
+        return hook
+
+    # The input as a leaf that requires a gradient: asking for its gradient reaches every
+    # hooked output downstream of it (a copy, so that the model may change it in place).
+    leaf = inputs.detach().requires_grad_() if inputs.is_floating_point() else None
+    handles = [s.module.register_forward_hook(capture(s)) for s in served]
+    try:
+        with torch.enable_grad():
+            outputs = model(inputs if leaf is None else leaf.clone())
+    finally:
+        for h in handles:
+            h.remove()
+    changed = [name for name, output, version in outputs_at if output._version != version]
+    if changed:
+        raise LayerEngineUnavailable(
+            f"the outputs of {', '.join(changed)} are modified in place later in the forward "
+            "pass (e.g. ReLU(inplace=True) or `out += x`); make those operations out of place"
+        )
+    outputs_at.clear()
+    losses = vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)), randomness="different")(
+        outputs, targets
+    )
+    asked = ([leaf] if leaf is not None else []) + roots
+    if asked and losses.requires_grad:
+        torch.autograd.grad(losses.sum(), asked, allow_unused=True)
     for name, p in model.named_parameters():
         if id(p) in wanted and id(p) not in written:  # unused in this forward: gradient 0
             start, stop = layout.index[name]
             out[:, start:stop] = 0
 
 
-def _rule_for(layer: ServedLayer, activation: torch.Tensor, output: torch.Tensor) -> Rule:
+def _rule_for(layer: ServedLayer, activation: torch.Tensor) -> Rule:
     """Opacus's convolution rule unfolds the input (``c_in k^2`` copies of it) and multiplies;
     ``torch.func`` on the layer alone runs a grouped convolution instead. On CPU the second
     was faster for stride-1 convolutions with 16 to 32 input channels per group, and slower
@@ -223,7 +243,7 @@ def layer_engines(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
 
     def capture(layer: ServedLayer):
         def hook(_module, args, output):
-            rule = _rule_for(layer, args[0], output)
+            rule = _rule_for(layer, args[0])
             how = "torch.func" if rule is ft_compute_per_sample_gradient else "rule"
             found[layer.name] = f"{type(layer.module).__name__}: {how}"
 

@@ -6,6 +6,7 @@ costs no privacy. Private gradients are embedded in it (``embed``) and mapped ba
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,6 +32,14 @@ GradientChunks = Callable[[], Iterable[torch.Tensor]]
 EMBED_BLOCK = 1024
 # Partial products computed per batched call (bounds the (blocks, n, k_g) temporary).
 _BLOCKS_PER_CALL = 256
+# Rows of a basis taken to float64 at a time by the checks of its norms: a whole float64
+# copy of a large basis would double the memory the subspace holds.
+CHECK_ROWS = 8192
+
+
+def _float64_row_blocks(basis: torch.Tensor):
+    for start in range(0, basis.shape[0], CHECK_ROWS):
+        yield basis[start : start + CHECK_ROWS].double()
 
 
 @dataclass(frozen=True)
@@ -139,8 +148,11 @@ class AnchorSubspace:
     @cached_property
     def frobenius_norms(self) -> tuple[float, ...]:
         """Upper bounds on each basis's Frobenius norm (``sqrt(k_g)`` when orthonormal)."""
+        # a sum of squares is within gamma(numel) of the exact one in any order, and so
+        # summed block by block
         return tuple(
-            float(torch.linalg.matrix_norm(b.double())) * (1 + gamma(b.numel() + 2, U64))
+            math.sqrt(sum(float(blk.square().sum()) for blk in _float64_row_blocks(b)))
+            * (1 + gamma(b.numel() + 2, U64))
             for b in self.bases
         )
 
@@ -181,10 +193,12 @@ class AnchorSubspace:
         float64 and raised by that computation's own rounding bound, so it is an upper bound."""
         errs = []
         for b in self.bases:
-            b64 = b.double()
-            eye = torch.eye(b.shape[1], dtype=torch.float64, device=b.device)
-            computed = torch.linalg.matrix_norm(b64.T @ b64 - eye).item()
-            # each entry of B^T B is a length-p dot product of columns of norm ~1
+            gram = torch.eye(b.shape[1], dtype=torch.float64, device=b.device).neg_()
+            for blk in _float64_row_blocks(b):
+                gram.addmm_(blk.T, blk)
+            computed = torch.linalg.matrix_norm(gram).item()
+            # each entry of B^T B is a length-p dot product of columns of norm ~1, within
+            # gamma(p) of the exact one in any order of summation (here block by block)
             slack = b.shape[1] * gamma(b.shape[0] + 2, U64) * (1 + computed) ** 2
             errs.append(computed + slack)
         return max(errs)
