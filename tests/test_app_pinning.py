@@ -121,6 +121,22 @@ def test_the_launcher_refuses_a_run_that_misnames_its_pinned_bundle(monkeypatch)
     assert len(replies) == 3  # each refusal answered the server
 
 
+@pytest.mark.slow
+def test_a_sites_task_processes_start_with_the_runner_and_gep_fed_already_imported():
+    # forked from the launcher's preloaded server: a round does not pay for these imports
+    from forked_task import report_preloaded
+
+    processes = pinned_clientapp.task_processes()
+    receive, send = processes.Pipe(duplex=False)
+    wanted = [*pinned_clientapp.TASK_PRELOAD, "torch", "gep_fed"]
+    task = processes.Process(target=report_preloaded, args=(wanted, send))
+    task.start()
+    send.close()
+    assert receive.recv() == wanted
+    task.join(timeout=30)
+    assert task.exitcode == 0
+
+
 def test_flowers_clientapp_runner_still_takes_its_input_through_the_hooked_function():
     """The launcher's task mode hooks ``run_clientapp``'s ``pull_task_input``; it refuses to
     run when a Flower release stops looking it up there, and this fails first."""

@@ -14,7 +14,9 @@ It polls the SuperNode's Runtime API for ClientApp tasks only (an AgentApp or ot
 is never taken, so nothing else of a bundle can be started through it). A task whose bundle is
 not pinned is answered here with an error reply (``ErrorCode.INVALID_FAB``: the server sees this
 site fail the round) without starting any process; each other task gets a process of its own in
-task mode, which is Flower's ``flwr-clientapp`` (same arguments) with one check added:
+task mode, forked from a fork server that imported Flower's ClientApp runner, torch and gep_fed
+once (a fresh interpreter would import them again at every round, about 5 s of CPU). Task mode
+is Flower's ``flwr-clientapp`` (same arguments) with one check added:
 
     python -m gep_fed.flower.pinned_clientapp --pinned-fab SHA256 --token TOKEN \\
         --runtime-api-address 127.0.0.1:9401 --insecure
@@ -29,9 +31,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import multiprocessing
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -139,7 +141,30 @@ def _refuse_task(client, fab_hash: str, reason: str) -> None:
         push_task_output(client, None, SubStatus.FAILED, f"unpinned app bundle {fab_hash}")
 
 
-def _start_task(task, token: str, pins: frozenset[str], api: tuple) -> subprocess.Popen | None:
+# What each forked task process finds imported: the runner, and the site's own gep_fed (the
+# one a task process imported before loading a bundle anyway: this module is part of it).
+TASK_PRELOAD = (
+    "flwr.supernode.cli.flwr_clientapp",
+    "flwr.supernode.runtime.run_clientapp",
+    "gep_fed.flower.clientapp",
+)
+
+
+def task_processes() -> multiprocessing.context.BaseContext:
+    """Python's fork server, started now (a fresh interpreter importing ``TASK_PRELOAD`` while
+    the site waits for its first round); every task process is forked from it. It opens no
+    connection, so a task inherits none."""
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(TASK_PRELOAD))
+    forkserver.ensure_running()
+    return context
+
+
+def _start_task(
+    task, token: str, pins: frozenset[str], api: tuple, processes
+) -> multiprocessing.process.BaseProcess | None:
     """One claimed ClientApp task: refused here if its bundle is not pinned, else handed to a
     task-mode process of its own (which checks the bundle's bytes again)."""
     address, insecure, root_certificates = api
@@ -155,10 +180,14 @@ def _start_task(task, token: str, pins: frozenset[str], api: tuple) -> subproces
     tls = ["--insecure"] if insecure else []
     if root_certificates is not None and not insecure:
         tls = ["--root-certificates", root_certificates]
-    task_mode = [sys.executable, "-m", __spec__.name if __spec__ else __name__]
-    task_mode += ["--pinned-fab", ",".join(sorted(pins)), "--runtime-api-address", address]
-    task_mode += ["--token", token, *tls, "--parent-pid", str(os.getpid())]
-    return subprocess.Popen(task_mode)
+    args = ["--runtime-api-address", address, "--token", token, *tls]
+    args += ["--parent-pid", str(os.getpid())]
+    # by its module's name (this module may be __main__): the fork server has it preloaded
+    from gep_fed.flower.pinned_clientapp import run_task as task_mode
+
+    child = processes.Process(target=task_mode, args=(pins, args), name=f"task {task.task_id}")
+    child.start()
+    return child
 
 
 def serve(
@@ -178,8 +207,9 @@ def serve(
     if parent_pid is not None:
         start_parent_process_monitor(parent_pid)  # stop with the SuperNode
     api = (runtime_api_address, insecure, root_certificates)
+    processes = task_processes()
     client = _runtime_client(*api)
-    children: list[subprocess.Popen] = []
+    children: list[multiprocessing.process.BaseProcess] = []
     log.info("serving ClientApp tasks of %s for pinned bundles %s", runtime_api_address, pins)
     try:
         while True:
@@ -188,11 +218,11 @@ def serve(
             res = client.AcquireTask(request)
             if res.HasField("task") and res.token:
                 try:
-                    if child := _start_task(res.task, res.token, pins, api):
+                    if child := _start_task(res.task, res.token, pins, api, processes):
                         children.append(child)
                 except Exception:  # one bad task must not stop the site's launcher
                     log.exception("task %d: failed to refuse or start it", res.task.task_id)
-            children = [c for c in children if c.poll() is None]  # reap finished tasks
+            children = [c for c in children if c.is_alive()]  # reaps finished tasks
             time.sleep(poll_interval)
     finally:
         client.close()
