@@ -97,10 +97,13 @@ def table(rows: list[dict]) -> str:
         "(partition, anchors, model, the central and client noise); the distributed noise is "
         "OpenDP's, seeded by the operating system. Quantised d: the length of a distributed "
         "share (padded first to a power of two, then, from commit 'Distributed shares padded "
-        "to c 2**b', to the next c 2**b with c in 1, 3, 5).",
+        "to c 2**b', to the next c 2**b with c in 1, 3, 5). Rounds applied: rounds whose "
+        "update reached the model, of those run; a run resumed after an interruption applies "
+        "fewer when its sites had recorded the interrupted round (their ledgers over-count, "
+        "never under-count), and then ends refused as over budget.",
         "",
         "| task | sites | partition | epsilon | mode | sigma | test accuracy | epsilon spent | "
-        "rounds | s/round | MB/round/site | quantised d |",
+        "rounds applied | s/round | MB/round/site | quantised d |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate(MODES)}
@@ -111,9 +114,11 @@ def table(rows: list[dict]) -> str:
 
     for r in sorted(rows, key=place):
         task = r["key"].split("/")[0]
+        applied = r.get("applied_rounds", r["rounds"])
+        rounds = f"{applied}" if applied == r["rounds"] else f"{applied} of {r['rounds']}"
         lines.append(
             f"| {task} | {r['sites']} | {r['partition']} | {r['epsilon_target']:g} | {r['mode']} "
-            f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {r['rounds']} | "
+            f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {rounds} | "
             f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} | "
             f"{r.get('dimension') or '-'} |"
         )
