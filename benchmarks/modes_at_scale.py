@@ -100,7 +100,9 @@ def table(rows: list[dict]) -> str:
         "to c 2**b', to the next c 2**b with c in 1, 3, 5). Rounds applied: rounds whose "
         "update reached the model, of those run; a run resumed after an interruption applies "
         "fewer when its sites had recorded the interrupted round (their ledgers over-count, "
-        "never under-count), and then ends refused as over budget.",
+        "never under-count), and then ends refused as over budget. A resumed run also sends "
+        "each site one basis more (the server computes a fresh subspace at the first round "
+        "after the resume), so it meters more bytes per round than an uninterrupted run.",
         "",
         "| task | sites | partition | epsilon | mode | sigma | test accuracy | epsilon spent | "
         "rounds applied | s/round | MB/round/site | quantised d |",
