@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import shared_file
 
+from gep_fed.data import partition
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import (
     load_digits,
@@ -143,9 +144,24 @@ def test_partitions_are_disjoint_complete_seeded_and_dirichlet_is_skewed():
         together = np.concatenate(parts)
         assert len(together) == len(labels) == len(np.unique(together))
     assert label_skew(labels, skewed) > 3 * label_skew(labels, iid)
+    partition._partition.cache_clear()  # seeded: the same split computed again
     again = partition_indices(labels, 3, "dirichlet", alpha=0.3, seed=0)
     assert all(np.array_equal(a, b) for a, b in zip(skewed, again, strict=True))
     more_skew = partition_indices(labels, 3, "dirichlet", alpha=0.05, seed=0)
     assert label_skew(labels, more_skew) > label_skew(labels, skewed)
     with pytest.raises(ValueError, match="partition must be one of"):
         partition_indices(labels, 3, "shards")
+
+
+def test_a_process_splits_the_same_labels_once_and_each_caller_gets_its_own_arrays():
+    labels = load_digits().labels
+    partition._partition.cache_clear()
+    first = partition_indices(labels, 3, "dirichlet", alpha=0.3, seed=0)
+    first[0][:] = -1  # a caller's change stays its own
+    second = partition_indices(list(labels), 3, "dirichlet", alpha=0.3, seed=0)
+    assert partition._partition.cache_info().hits == 1
+    assert (second[0] >= 0).all()
+    assert len(np.unique(np.concatenate(second))) == len(labels)
+    other_seed = partition_indices(labels, 3, "dirichlet", alpha=0.3, seed=1)
+    assert partition._partition.cache_info().misses == 2
+    assert not all(np.array_equal(a, b) for a, b in zip(second, other_seed, strict=True))

@@ -5,6 +5,8 @@ Uses flwr-datasets' partitioners (the maintained implementations) on the label c
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 PARTITIONS = ("iid", "dirichlet")
@@ -26,9 +28,6 @@ def partition_indices(
             Dirichlet(alpha) proportions; smaller alpha, more skew).
         min_size: Dirichlet draws are repeated until every site has at least this many.
     """
-    from datasets import Dataset
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
-
     if scheme not in PARTITIONS:
         raise ValueError(f"partition must be one of {list(PARTITIONS)}, got {scheme!r}")
     if num_sites < 1:
@@ -37,6 +36,27 @@ def partition_indices(
         raise ValueError(f"{len(labels)} examples cannot be split across {num_sites} sites")
     if scheme == "dirichlet" and not alpha > 0:
         raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
+    labels = np.ascontiguousarray(labels)
+    parts = _partition(labels.tobytes(), labels.dtype.str, num_sites, scheme, alpha, seed, min_size)
+    return [part.copy() for part in parts]
+
+
+# Every simulated site of a run asks for the same split of the same labels (Dirichlet over
+# 60,000 labels takes seconds), so a process computes each split once.
+@lru_cache(maxsize=8)
+def _partition(
+    label_bytes: bytes,
+    dtype: str,
+    num_sites: int,
+    scheme: str,
+    alpha: float,
+    seed: int,
+    min_size: int,
+) -> list[np.ndarray]:
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    labels = np.frombuffer(label_bytes, dtype=dtype)
     perm = np.random.default_rng(seed).permutation(len(labels))
     table = Dataset.from_dict({"label": np.asarray(labels)[perm], "index": perm})
     if scheme == "iid":
