@@ -165,3 +165,6 @@ def test_a_process_splits_the_same_labels_once_and_each_caller_gets_its_own_arra
     other_seed = partition_indices(labels, 3, "dirichlet", alpha=0.3, seed=1)
     assert partition._partition.cache_info().misses == 2
     assert not all(np.array_equal(a, b) for a, b in zip(second, other_seed, strict=True))
+    multilabel = np.stack([labels % 2, labels > 4], axis=1)  # one row of labels per example
+    rows = np.concatenate(partition_indices(multilabel, 3, "iid", seed=0))
+    assert sorted(rows.tolist()) == list(range(len(labels)))

@@ -37,26 +37,26 @@ def partition_indices(
     if scheme == "dirichlet" and not alpha > 0:
         raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
     labels = np.ascontiguousarray(labels)
-    parts = _partition(labels.tobytes(), labels.dtype.str, num_sites, scheme, alpha, seed, min_size)
+    args = (num_sites, scheme, alpha, seed, min_size)
+    if labels.dtype.hasobject:  # no byte image to key on
+        return _split(labels, *args)
+    parts = _partition(labels.tobytes(), labels.dtype.str, labels.shape, *args)
     return [part.copy() for part in parts]
 
 
 # Every simulated site of a run asks for the same split of the same labels (Dirichlet over
 # 60,000 labels takes seconds), so a process computes each split once.
 @lru_cache(maxsize=8)
-def _partition(
-    label_bytes: bytes,
-    dtype: str,
-    num_sites: int,
-    scheme: str,
-    alpha: float,
-    seed: int,
-    min_size: int,
+def _partition(label_bytes: bytes, dtype: str, shape: tuple[int, ...], *args) -> list[np.ndarray]:
+    return _split(np.frombuffer(label_bytes, dtype=dtype).reshape(shape), *args)
+
+
+def _split(
+    labels: np.ndarray, num_sites: int, scheme: str, alpha: float, seed: int, min_size: int
 ) -> list[np.ndarray]:
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
-    labels = np.frombuffer(label_bytes, dtype=dtype)
     perm = np.random.default_rng(seed).permutation(len(labels))
     table = Dataset.from_dict({"label": np.asarray(labels)[perm], "index": perm})
     if scheme == "iid":
