@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -112,7 +113,20 @@ SETUPS = {
     ),
     "resnet18": (resnet18_gn, (3, 64, 64), 32, 500, _resnet18_groups()),
 }
-METHODS = ("nonprivate", "gp", "gp_vmap", "opacus", "opacus_ghost", "gep", "gep_vmap", "bgep")
+METHODS = (
+    "nonprivate",
+    "gp",
+    "gp_vmap",
+    "opacus",
+    "opacus_ghost",
+    "gep",
+    "gep_materialised",
+    "gep_vmap",
+    "bgep",
+)
+# Their memory runs compute the anchor subspace (the Gram route needs the anchors' factors);
+# the others use random orthonormal bases of the same sizes.
+WITH_ANCHORS = ("gep", "bgep")
 
 
 def _sync(device):
@@ -132,14 +146,21 @@ def build(setup: str, device: torch.device, num_anchors: int):
 
 
 def make_steps(
-    setup: str, device: torch.device, num_anchors: int, max_chunk: int, anchors: bool = True
+    setup: str,
+    device: torch.device,
+    num_anchors: int,
+    max_chunk: int,
+    anchors: bool = True,
+    time_refresh: bool = True,
 ):
     """One callable per method doing a full step (gradient estimate + optimizer step), the
     anchor time, the parameter count, the methods that failed, and a callable doing GEP's
     embedding product alone (the batch's per-example gradients, made once, times the bases).
 
-    ``anchors=False`` uses a random orthonormal basis of the same sizes (for memory runs,
-    so that the anchor computation's own peak does not mask the step's).
+    ``anchors=False`` uses a random orthonormal basis of the same sizes (for the memory
+    runs of the methods that embed from materialised gradients); ``time_refresh=False``
+    computes only the subspace with Gram groups, not also the one without (whose time the
+    table gives beside it).
     """
     model, layout, x, y, public, k = build(setup, device, num_anchors)
     cfg = GEPConfig(
@@ -148,16 +169,20 @@ def make_steps(
         max_chunk=max_chunk,
         groups=SETUPS[setup][4],
     )
-    began = time.perf_counter()
+    anchor_seconds = {}
     if anchors:
-        subspace = compute_anchor_subspace(
-            model,
-            public,
-            layout,
-            cfg,
-            loss_fn=F.cross_entropy,
-            generator=torch.Generator().manual_seed(0),
-        ).subspace
+        for gram in (False, True) if time_refresh else (True,):  # without, then with Gram
+            began = time.perf_counter()
+            subspace = compute_anchor_subspace(
+                model,
+                public,
+                layout,
+                replace(cfg, factored_layers=gram),
+                loss_fn=F.cross_entropy,
+                generator=torch.Generator().manual_seed(0),
+            ).subspace
+            _sync(device)
+            anchor_seconds["gram" if gram else "materialised"] = time.perf_counter() - began
     else:
         dims = layout.allocate_basis(k, max_rank=num_anchors)
         subspace = AnchorSubspace(
@@ -167,8 +192,7 @@ def make_steps(
                 for g, d in zip(layout.groups, dims, strict=True)
             ),
         )
-    _sync(device)
-    anchor_seconds = time.perf_counter() - began
+    materialised = AnchorSubspace(layout, subspace.bases)  # the same bases, no Gram groups
     noise = NoiseSource(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     params = dict(model.named_parameters())
@@ -177,10 +201,10 @@ def make_steps(
     # next, as a site's GEPStep does: no more than max_chunk per-example gradients at once.
     chunks = [(x[i : i + max_chunk], y[i : i + max_chunk]) for i in range(0, len(x), max_chunk)]
 
-    def private(mech, engine="layers"):
+    def private(mech, engine="layers", basis=subspace):
         def step():
             sums = clipped_sums_of_batches(
-                model, F.cross_entropy, chunks, layout, mech, subspace, max_chunk, engine=engine
+                model, F.cross_entropy, chunks, layout, mech, basis, max_chunk, engine=engine
             )
             noisy = mech.add_noise(sums, noise)
             flat = mech.reconstruct(noisy, subspace, len(x))
@@ -201,6 +225,7 @@ def make_steps(
         "gp": private(gp),
         "gp_vmap": private(gp, "vmap"),
         "gep": private(gep),
+        "gep_materialised": private(gep, basis=materialised),
         "gep_vmap": private(gep, "vmap"),
         "bgep": private(BGEP(1.0, noise_multiplier=1.0)),
     }
@@ -222,7 +247,8 @@ def make_steps(
         for chunk in grads:
             subspace.embed_bounded(chunk)
 
-    return steps, anchor_seconds, layout.size, failures, embedding_product
+    gram_weights = subspace.factored_weights
+    return steps, anchor_seconds, layout.size, failures, embedding_product, gram_weights
 
 
 def _opacus_step(setup, device, x, y):
@@ -342,7 +368,8 @@ def peak_memory(
         "import step_time as s;"
         + (f"torch.set_num_threads({threads});" if threads else "")
         + f"dev = torch.device('{device}');"
-        f"steps, *_ = s.make_steps('{setup}', dev, {num_anchors}, {max_chunk}, False);"
+        f"steps, *_ = s.make_steps('{setup}', dev, {num_anchors}, {max_chunk}, "
+        f"{method in WITH_ANCHORS}, False);"
         "fn = steps['" + method + "']; b0 = s.memory_level(dev); fn();"
         "print(s.measure_peak(fn, dev), s.memory_level(dev, peak=True) - b0)"
     )
@@ -400,9 +427,12 @@ def section(setup, args, result, failures) -> list[str]:
             ]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     anchor_s = result["anchor_seconds_per_refresh"]
+    plain_s = result["anchor_seconds_materialised"]
     lines += [
         "",
-        f"Anchor subspace per refresh: {anchor_s:.2f} s ({anchor_s / times['gep']:.1f} GEP steps)",
+        f"Anchor subspace per refresh: {anchor_s:.2f} s ({anchor_s / times['gep']:.1f} GEP "
+        f"steps); without Gram groups (`factored_layers=False`, what `gep_materialised` "
+        f"embeds in): {plain_s:.2f} s.",
     ]
     embed_s, gflop = result["embedding_product_seconds"], result["embedding_product_gflop"]
     extra_ms = 1000 * (times["gep"] - times["gp"])
@@ -446,7 +476,7 @@ def main(argv=None) -> int:
             "",
         ]
     for setup in args.models:
-        steps, anchor_s, p, failures, embedding_product = make_steps(
+        steps, anchor_s, p, failures, embedding_product, gram_weights = make_steps(
             setup, device, args.num_anchors, args.max_chunk
         )
         times = time_steps(steps, args.repeats, device, failures)
@@ -467,7 +497,10 @@ def main(argv=None) -> int:
         model = SETUPS[setup][0]()
         layout = ParameterLayout.from_model(model, groups)
         engines = {}
-        for how in layer_engines(model, torch.randn(batch, *shape)).values():
+        gram_layers = {name.rsplit(".", 1)[0] for name in gram_weights}
+        for layer, how in layer_engines(model, torch.randn(batch, *shape)).items():
+            if layer in gram_layers:  # GEP and B-GEP embed it by Gram products, GP by the rule
+                how = f"{how.split(':')[0]}: Gram (GEP, B-GEP), rule (GP)"
             engines[how] = engines.get(how, 0) + 1
         dims = layout.allocate_basis(k, max_rank=args.num_anchors)
         basis_mib = 4 * sum(g.size * d for g, d in zip(layout.groups, dims, strict=True)) / 2**20
@@ -490,7 +523,9 @@ def main(argv=None) -> int:
             "seconds": times,
             "peak_mib": mem,
             "peak_mib_with_state": mem_state,
-            "anchor_seconds_per_refresh": anchor_s,
+            "anchor_seconds_per_refresh": anchor_s["gram"],
+            "anchor_seconds_materialised": anchor_s["materialised"],
+            "gram_weights": sorted(gram_weights),
             "embedding_product_seconds": embed_s,
             # 2 B sum_g p_g k_g: each example's gradient times its group's basis
             "embedding_product_gflop": 2e-9

@@ -11,7 +11,7 @@ import step_time
 
 
 def test_every_method_of_the_step_time_benchmark_runs_a_step():
-    steps, _, params, failures, embedding_product = step_time.make_steps(
+    steps, _, params, failures, embedding_product, _ = step_time.make_steps(
         "cnn", torch.device("cpu"), num_anchors=16, max_chunk=256, anchors=False
     )
     assert params == 28_938

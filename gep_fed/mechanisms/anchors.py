@@ -13,8 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gep_fed.mechanisms.factored import LayerFactors
+from gep_fed.mechanisms.gram import build_gram_group, gram_pays
 from gep_fed.mechanisms.groups import ParameterLayout
-from gep_fed.mechanisms.per_example import LossFn, per_example_gradients
+from gep_fed.mechanisms.layer_gradients import factor_shapes
+from gep_fed.mechanisms.per_example import LossFn, factored_gradients, per_example_gradients
 from gep_fed.mechanisms.step_config import GEPConfig
 from gep_fed.mechanisms.subspace import (
     AnchorSubspace,
@@ -163,17 +166,32 @@ def compute_anchor_subspace(
     )
     dims = layout.allocate_basis(config.num_basis, max_rank=m)
     anchors = None
-    subspace = power_method_subspace(
+    gram_weights = (
+        planned_gram_weights(model, inputs[:1].to(device), layout, dims, m)
+        if config.engine == "layers" and config.factored_layers
+        else frozenset()
+    )
+    subspace, coefficients = power_method_subspace(
         grads,
         layout,
         dims,
         config.power_iterations,
         generator=generator,
         device=device,
-        with_coefficients=with_coefficients,
+        with_coefficients=True,
     )
+    if gram_weights:
+        subspace, coefficients = with_gram_groups(
+            model,
+            loss_fn,
+            inputs.to(device),
+            labels,
+            subspace,
+            coefficients,
+            gram_weights,
+            config.max_chunk,
+        )
     if with_coefficients:
-        subspace, coefficients = subspace
         anchors = AnchorSet(inputs, labels, coefficients)
     projection_error = clip_e = clip_r = None
     if measure or config.clip_quantile is not None:
@@ -207,7 +225,9 @@ def rebuild_anchor_subspace(
 ) -> AnchorSubspace:
     """The subspace ``B_g = G_g^T C_g`` from ``anchors``' gradients at ``model``'s current
     parameters: what a site computes instead of receiving the bases (the server computes it
-    the same way, so both use the same basis up to float rounding). Public data only."""
+    the same way, so both use the same basis up to float rounding). The groups where the
+    cost model (``planned_gram_weights``) prefers it are built for Gram embedding, as
+    ``compute_anchor_subspace`` builds them. Public data only."""
     device = next(model.parameters()).device
     grads = _AnchorGradients(
         model,
@@ -220,4 +240,91 @@ def rebuild_anchor_subspace(
         0,  # one pass: nothing to cache
     )
     coefficients = tuple(c.to(device) for c in anchors.coefficients)
-    return subspace_from_coefficients(grads, layout, coefficients)
+    subspace = subspace_from_coefficients(grads, layout, coefficients)
+    inputs, labels = anchors.inputs.to(device), anchors.labels.to(device)
+    weights = (
+        planned_gram_weights(model, inputs[:1], layout, subspace.dims, inputs.shape[0])
+        if engine == "layers"
+        else frozenset()
+    )
+    if weights:  # the server built these groups the same way (``with_gram_groups``)
+        subspace, _ = with_gram_groups(
+            model, loss_fn, inputs, labels, subspace, coefficients, weights, max_chunk
+        )
+    return subspace
+
+
+def planned_gram_weights(
+    model: nn.Module, example: torch.Tensor, layout: ParameterLayout, dims, num_anchors: int
+) -> frozenset[str]:
+    """The weights whose embedding costs less by Gram products with ``num_anchors`` anchors
+    than by materialising their gradients (``gram.gram_pays``), for inputs like ``example``."""
+    group_of = {n: i for i, g in enumerate(layout.groups) for n in g.param_names}
+    return frozenset(
+        name
+        for name, shape in factor_shapes(model, example, layout).items()
+        if gram_pays(shape, num_anchors, dims[group_of[name]])
+    )
+
+
+def with_gram_groups(
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    subspace: AnchorSubspace,
+    coefficients: tuple[torch.Tensor, ...],
+    weights: frozenset[str],
+    max_chunk: int = 128,
+) -> tuple[AnchorSubspace, tuple[torch.Tensor, ...]]:
+    """``subspace`` with the groups holding ``weights`` rebuilt for Gram embedding
+    (``gram.build_gram_group``) from the anchors ``inputs`` (with ``labels``) and the power
+    method's ``coefficients``; returns it and the coefficients of its bases in the anchors'
+    gradients. Public data only. A group whose anchors span too few directions keeps its
+    basis and is embedded from materialised gradients."""
+    layout = subspace.layout
+    groups = [i for i, g in enumerate(layout.groups) if weights & set(g.param_names)]
+    # only these groups' parameters are differentiated: the others' rules do not run
+    served = ParameterLayout.from_dict(
+        {
+            "names": [n for i in groups for n in layout.groups[i].param_names],
+            "shapes": [
+                layout.shapes[layout.names.index(n)]
+                for i in groups
+                for n in layout.groups[i].param_names
+            ],
+            "groups": [[layout.groups[i].name, list(layout.groups[i].param_names)] for i in groups],
+        }
+    )
+    factors: dict[str, list[LayerFactors]] = {n: [] for n in weights}
+    dense: dict[int, list[torch.Tensor]] = {i: [] for i in groups}
+    for start in range(0, inputs.shape[0], max_chunk):
+        chunk = factored_gradients(
+            model,
+            loss_fn,
+            inputs[start : start + max_chunk],
+            labels[start : start + max_chunk],
+            served,
+            weights,
+        )
+        if chunk is None:  # the layer engine cannot serve this model
+            return subspace, coefficients
+        for name, f in chunk.factors.items():
+            factors[name].append(f)
+        for j, i in enumerate(groups):
+            dense[i].append(chunk.dense[:, chunk.dense_columns(served.groups[j])])
+    bases, coefficients, gram = list(subspace.bases), list(coefficients), {}
+    for i in groups:
+        mine = {
+            n: LayerFactors(
+                torch.cat([f.inputs for f in factors[n]]),
+                torch.cat([f.backprops for f in factors[n]]),
+            )
+            for n in layout.groups[i].param_names
+            if n in weights
+        }
+        built = build_gram_group(layout, i, mine, torch.cat(dense[i]), coefficients[i])
+        if built is not None:
+            bases[i], gram[i] = built
+            coefficients[i] = gram[i].coefficients.float()
+    return AnchorSubspace(layout, tuple(bases), gram), tuple(coefficients)

@@ -28,6 +28,7 @@ from opacus.grad_sample.grad_sample_module import GradSampleModule
 from torch import nn
 from torch.func import vmap
 
+from gep_fed.mechanisms.factored import LayerFactors, dense_index, factorable
 from gep_fed.mechanisms.groups import ParameterLayout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -127,12 +128,17 @@ def layer_gradients(
     targets: torch.Tensor,
     layout: ParameterLayout,
     out: torch.Tensor,
-) -> None:
+    factored: frozenset[str] = frozenset(),
+) -> dict[str, LayerFactors]:
     """Write the per-example gradients of ``inputs`` into ``out`` (``(n, layout.size)``).
 
     ``loss_fn`` is applied to each example alone (vmapped), so a mean-reduced loss gives the
     per-example loss, exactly as ``torch.func``'s per-example gradients see it. The model's
     ``.grad`` is left untouched.
+
+    ``factored`` names weights of ``factorable`` layers whose gradients are returned as
+    their factors instead (``{name: LayerFactors}``); ``out`` then holds only the other
+    parameters' columns, in layout order (``factored.dense_index``).
 
     Raises:
         LayerEngineUnavailable: one example's output depends on the others of its batch
@@ -141,27 +147,56 @@ def layer_gradients(
             is written.
     """
     check_examples_kept_apart(model, inputs)
-    columns = {
-        id(p): layout.index[name] for name, p in model.named_parameters() if name in layout.index
-    }
+    index = dense_index(layout, factored) if factored else layout.index
+    named = dict(model.named_parameters())
+    columns = {id(p): index[name] for name, p in named.items() if name in index}
     wanted = columns.keys()
+    kept_as_factors = {id(named[name]): name for name in factored}
     served = [
-        s for s in _served_layers(model) if any(id(p) in wanted for p in s.module.parameters())
+        s
+        for s in _served_layers(model)
+        if any(id(p) in wanted or id(p) in kept_as_factors for p in s.module.parameters())
     ]
+    servable = {id(s.module.weight) for s in served if not s.fallback and factorable(s.module)}
+    unservable = sorted(name for name in factored if id(named[name]) not in servable)
+    if unservable:
+        raise ValueError(f"no factors for {unservable}: not weights of Linear or Conv2d layers")
     written: set[int] = set()
+    factors: dict[str, LayerFactors] = {}
+
+    def write_factors(layer: ServedLayer, activation: torch.Tensor, backprop: torch.Tensor):
+        module = layer.module
+        made = LayerFactors.of(module, activation, backprop)
+        bias = getattr(module, "bias", None)
+        if bias is not None and id(bias) in wanted:
+            store(bias, made.bias_gradients())
+        name = kept_as_factors[id(module.weight)]
+        if name in factors:  # a layer called more than once: its positions add up
+            held = factors[name]
+            made = LayerFactors(
+                torch.cat([held.inputs, made.inputs], 1),
+                torch.cat([held.backprops, made.backprops], 1),
+            )
+        factors[name] = made
+
+    def store(param: torch.Tensor, grad: torch.Tensor) -> None:
+        start, stop = columns[id(param)]
+        block = out[:, start:stop]
+        if id(param) in written:  # a layer called more than once: its gradients add up
+            block += grad.reshape(block.shape)
+        else:
+            block.copy_(grad.reshape(block.shape))
+            written.add(id(param))
 
     def write(layer: ServedLayer, activations: list[torch.Tensor], backprop: torch.Tensor):
+        weight = getattr(layer.module, "weight", None)
+        if weight is not None and id(weight) in kept_as_factors:
+            write_factors(layer, activations[0], backprop)
+            return
         rule = _rule_for(layer, activations[0])
         for param, grad in rule(layer.module, activations, backprop).items():
-            if id(param) not in wanted:
-                continue
-            start, stop = columns[id(param)]
-            block = out[:, start:stop]
-            if id(param) in written:  # a layer called more than once: its gradients add up
-                block += grad.reshape(block.shape)
-            else:
-                block.copy_(grad.reshape(block.shape))
-                written.add(id(param))
+            if id(param) in wanted:
+                store(param, grad)
 
     # Each layer's per-example gradients are made as soon as its output gradient exists in
     # the backward pass, and its inputs and output gradient are freed then: no pass holds
@@ -192,7 +227,19 @@ def layer_gradients(
     # The input as a leaf that requires a gradient: asking for its gradient reaches every
     # hooked output downstream of it (a copy, so that the model may change it in place).
     leaf = inputs.detach().requires_grad_() if inputs.is_floating_point() else None
+    def find_root(_module, args, output):
+        # a layer outside the layout whose output starts the graph (an embedding of indices):
+        # asked for by name too, or no gradient would flow to the layers after it
+        starts = not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if isinstance(output, torch.Tensor) and output.requires_grad and starts:
+            roots.append(output)
+
     handles = [s.module.register_forward_hook(capture(s)) for s in served]
+    handles += [
+        s.module.register_forward_hook(find_root)
+        for s in _served_layers(model)
+        if all(s.module is not t.module for t in served)
+    ]
     try:
         with torch.enable_grad():
             outputs = model(inputs if leaf is None else leaf.clone())
@@ -212,10 +259,19 @@ def layer_gradients(
     asked = ([leaf] if leaf is not None else []) + roots
     if asked and losses.requires_grad:
         torch.autograd.grad(losses.sum(), asked, allow_unused=True)
-    for name, p in model.named_parameters():
+    for name, p in named.items():
         if id(p) in wanted and id(p) not in written:  # unused in this forward: gradient 0
-            start, stop = layout.index[name]
+            start, stop = index[name]
             out[:, start:stop] = 0
+    n = inputs.shape[0]
+    for name in factored:
+        if name not in factors:  # unused: no positions, gradient 0
+            weight = named[name]
+            d_in = weight[0].numel()
+            factors[name] = LayerFactors(
+                out.new_zeros(n, 0, d_in), out.new_zeros(n, 0, weight.shape[0])
+            )
+    return factors
 
 
 def _rule_for(layer: ServedLayer, activation: torch.Tensor) -> Rule:
@@ -257,3 +313,33 @@ def layer_engines(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
         for h in handles:
             h.remove()
     return found
+
+
+def factor_shapes(
+    model: nn.Module, example: torch.Tensor, layout: ParameterLayout
+) -> dict[str, tuple[int, int, int]]:
+    """``{weight name: (T, d_in, d_out)}`` for the weights in ``layout`` whose gradients
+    ``layer_gradients`` can keep as factors (``factorable`` layers served by their rule), for
+    inputs shaped like ``example``: what the cost models of the Gram and ghost routes read.
+    Runs one forward pass without gradients."""
+    names = {id(p): n for n, p in model.named_parameters() if n in layout.index}
+    shapes: dict[str, tuple[int, int, int]] = {}
+
+    def capture(layer: ServedLayer):
+        def hook(_module, args, output):
+            name = names.get(id(layer.module.weight))
+            if name is not None and isinstance(output, torch.Tensor):
+                f = LayerFactors.of(layer.module, args[0].detach(), output.detach())
+                shapes[name] = (f.positions, f.inputs.shape[2], f.backprops.shape[2])
+
+        return hook
+
+    served = [s for s in _served_layers(model) if not s.fallback and factorable(s.module)]
+    handles = [s.module.register_forward_hook(capture(s)) for s in served]
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for h in handles:
+            h.remove()
+    return shapes

@@ -17,9 +17,12 @@ import torch
 from gep_fed.accounting.events import PrivacyEvent, calibrate
 from gep_fed.mechanisms.clip_bounds import (
     CLIP_BOUND,
+    ROW_NORM_BLOCK,
     U64,
+    block_row_norms,
     check_dtype,
     clip_factors,
+    combine_block_norms,
     gamma,
     ieee_matmul,
     row_norms,
@@ -28,6 +31,7 @@ from gep_fed.mechanisms.clip_bounds import (
     small_row_norms_error,
     unit_roundoff,
 )
+from gep_fed.mechanisms.factored import PerExampleGradients
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import NOISE_MULTIPLIER
@@ -164,8 +168,20 @@ class Mechanism(ABC):
             placement=placement,
         )
 
-    def clipped_sums(self, grads: torch.Tensor, subspace: AnchorSubspace | None) -> ClippedSums:
-        """Clip each row of ``grads`` (a ``(n, p)`` matrix, ``n`` may be 0) and sum."""
+    def clipped_sums(
+        self, grads: torch.Tensor | PerExampleGradients, subspace: AnchorSubspace | None
+    ) -> ClippedSums:
+        """Clip each row of ``grads`` (a ``(n, p)`` matrix, ``n`` may be 0, or a chunk with
+        some weights kept as factors, for the subspace's Gram groups) and sum."""
+        if isinstance(grads, PerExampleGradients):
+            if self.uses_subspace and subspace is None:
+                raise ValueError(f"{self.name} needs an anchor subspace")
+            check_dtype(grads.dtype)
+            with ieee_matmul():
+                clipping = self.clip(grads, subspace)
+                if clipping.dropped is not None:
+                    grads = grads.without(clipping.dropped)
+                return self.sums(grads, subspace, clipping)
         if grads.ndim != 2:
             raise ValueError(
                 f"expected a (n, p) matrix of per-example gradients, got {grads.shape}"
@@ -268,7 +284,7 @@ class GEP(Mechanism):
 
     def clip(self, grads, subspace):
         dtype, u = grads.dtype, unit_roundoff(grads.dtype)
-        p, k = grads.shape[1], subspace.num_basis
+        p, k = subspace.layout.size, subspace.num_basis
         emb, emb_error, grad_norm = subspace.embed_bounded(grads)
         emb_computed = small_row_norms(emb)
         emb_norm = emb_computed * (1 + small_row_norms_error(k))
@@ -286,6 +302,11 @@ class GEP(Mechanism):
         # product rounds by u, the lift by gamma(k_g, u) |B| |s W|, the difference by u.
         lift_error = (u + gamma(max(subspace.dims), u) * (1 + u)) * max(subspace.frobenius_norms)
         release = (1 + u) * (resid_norm + u * grad_norm + lift_error * emb_norm)
+        if isinstance(grads, PerExampleGradients):
+            # a factored weight's s g is sum_t fl(s d_t) a_t^T, summed with the other
+            # examples' (as G^T s is): the products s d_t round by u relative to |d_t||a_t|
+            for f in grads.factors.values():
+                release = release + u * (1 + u) * f.nu()
         return PerExampleClipping(
             embedding=emb,
             embedding_scale=clip_factors(
@@ -298,7 +319,10 @@ class GEP(Mechanism):
     def sums(self, grads, subspace, clipping):
         s1, s2, emb = clipping.embedding_scale, clipping.residual_scale, clipping.embedding
         # sum_i s2_i (g_i - B w_i) = G^T s2 - B (W^T s2)
-        residual = grads.T @ s2 - subspace.lift(emb.T @ s2)
+        weighted = (
+            grads.weighted_sum(s2) if isinstance(grads, PerExampleGradients) else grads.T @ s2
+        )
+        residual = weighted - subspace.lift(emb.T @ s2)
         within = None
         if self.count_within_clip:  # scale 1: not shrunk; dropped rows (scale 0) not counted
             within = (s2 >= 1).sum().to(torch.float32)
@@ -329,7 +353,10 @@ class BGEP(Mechanism):
         return self.noise_multiplier * self.clip_embedding, None
 
     def clip(self, grads, subspace):
-        emb = subspace.embed(grads)
+        if isinstance(grads, PerExampleGradients):
+            emb = subspace.embed_bounded(grads)[0]
+        else:
+            emb = subspace.embed(grads)
         norms = small_row_norms(emb) * (1 + small_row_norms_error(emb.shape[1]))
         dropped = _nonfinite_rows(norms)
         if dropped is not None:
@@ -366,14 +393,30 @@ class GP(Mechanism):
         return None, self.noise_multiplier * self.clip_norm
 
     def clip(self, grads, subspace):
-        norms = row_norms(grads)
-        dropped = _nonfinite_rows(norms)
-        release = scaled_release_norm(norms, grads.dtype)
-        scale = clip_factors(release, self.clip_norm, dropped, grads.dtype, grads.shape[1])
+        if isinstance(grads, PerExampleGradients):  # ghost norms for the factored weights
+            u = unit_roundoff(grads.dtype)
+            blocks = [block_row_norms(grads.dense, ROW_NORM_BLOCK)]
+            extra = 0.0
+            for f in grads.factors.values():
+                ghost, nu = f.norm_bounds()
+                blocks.append(ghost[:, None])
+                extra = extra + u * (1 + u) * nu  # fl(s d_t) a_t^T, as in GEP's release
+            norms = combine_block_norms(torch.cat(blocks, 1))
+            release = scaled_release_norm(norms, grads.dtype) + extra
+            length = grads.layout.size
+        else:
+            norms = row_norms(grads)
+            release = scaled_release_norm(norms, grads.dtype)
+            length = grads.shape[1]
+        dropped = _nonfinite_rows(release)
+        scale = clip_factors(release, self.clip_norm, dropped, grads.dtype, length)
         return PerExampleClipping(None, None, scale, dropped)
 
     def sums(self, grads, subspace, clipping):
-        return ClippedSums(embedding=None, residual=grads.T @ clipping.residual_scale)
+        scale = clipping.residual_scale
+        if isinstance(grads, PerExampleGradients):
+            return ClippedSums(embedding=None, residual=grads.weighted_sum(scale))
+        return ClippedSums(embedding=None, residual=grads.T @ scale)
 
 
 MECHANISM_CLASSES: dict[str, type[Mechanism]] = {m.name: m for m in (GEP, BGEP, GP)}

@@ -10,6 +10,7 @@ rounding; the clip bounds are computed on whichever matrix is used.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 
@@ -17,8 +18,14 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from gep_fed.mechanisms.factored import PerExampleGradients, ghost_pays
 from gep_fed.mechanisms.groups import ParameterLayout
-from gep_fed.mechanisms.layer_gradients import LayerEngineUnavailable, LossFn, layer_gradients
+from gep_fed.mechanisms.layer_gradients import (
+    LayerEngineUnavailable,
+    LossFn,
+    factor_shapes,
+    layer_gradients,
+)
 
 ENGINES = ("layers", "vmap")
 
@@ -29,6 +36,9 @@ _CROSS_EXAMPLE_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._Batc
 
 # Models the layer engine refused once (the reason was warned then): served by torch.func.
 _UNHOOKABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+# model -> {(input shape, layout): the weights whose norms are ghost norms} (architecture only)
+_GHOST_PLANS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 class IncompatibleModelError(ValueError):
@@ -134,3 +144,42 @@ def per_example_gradients(
         for name, cols in layout.slices():
             chunk[:, cols] = grads[name].reshape(stop - start, -1)
     return out
+
+
+def factored_gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    layout: ParameterLayout,
+    factored: frozenset[str],
+) -> PerExampleGradients | None:
+    """The per-example gradients of one chunk with the weights ``factored`` kept as factors
+    (``gep_fed.mechanisms.factored``), by the layer engine; None for a model it cannot serve
+    (then ``per_example_gradients`` serves it)."""
+    if model in _UNHOOKABLE:
+        return None
+    size = layout.size - sum(math.prod(layout.shapes[layout.names.index(n)]) for n in factored)
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    dense = torch.empty(inputs.shape[0], size, dtype=torch.float32, device=device)
+    try:
+        factors = layer_gradients(model, loss_fn, inputs, targets, layout, dense, factored)
+    except LayerEngineUnavailable as err:
+        _UNHOOKABLE.add(model)
+        warnings.warn(f"per-example gradients by torch.func for this model: {err}", stacklevel=2)
+        return None
+    return PerExampleGradients(layout, dense, factors)
+
+
+def planned_ghost_weights(
+    model: nn.Module, example: torch.Tensor, layout: ParameterLayout
+) -> frozenset[str]:
+    """The weights whose per-example norms cost less as ghost norms than from materialised
+    gradients (``factored.ghost_pays``), for inputs shaped like ``example``: GP keeps them
+    as factors. Planned once per model, input shape and layout."""
+    plans = _GHOST_PLANS.setdefault(model, {})
+    key = (tuple(example.shape[1:]), example.dtype, layout.names)
+    if key not in plans:
+        shapes = factor_shapes(model, example[:1], layout)
+        plans[key] = frozenset(n for n, shape in shapes.items() if ghost_pays(shape))
+    return plans[key]

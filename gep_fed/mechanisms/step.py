@@ -31,11 +31,18 @@ from gep_fed.mechanisms.contract import (
     DEFAULT_CLIP_RESIDUAL,
     PrivacyContract,
 )
+from gep_fed.mechanisms.factored import LayerFactors, PerExampleGradients
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
-from gep_fed.mechanisms.per_example import LossFn, per_example_gradients, validate_model
+from gep_fed.mechanisms.per_example import (
+    LossFn,
+    factored_gradients,
+    per_example_gradients,
+    planned_ghost_weights,
+    validate_model,
+)
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step_config import GEPConfig
 from gep_fed.mechanisms.subspace import AnchorSubspace
@@ -180,6 +187,7 @@ class GEPStep:
             self.config.max_chunk,
             extra,
             self.config.engine,
+            self.config.factored_layers,
         )
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
@@ -314,6 +322,7 @@ def clipped_sums_of_batches(
     max_chunk: int = 128,
     extra_rows: torch.Tensor | None = None,
     engine: str = "layers",
+    factored_layers: bool = True,
 ) -> ClippedSums:
     """Clip every example's gradient and sum, one batch at a time, on the model's device.
 
@@ -322,10 +331,35 @@ def clipped_sums_of_batches(
     carry a third tensor, ``valid``: its invalid rows (examples that failed their checks)
     are dropped like non-finite gradients, with clip factor 0. ``extra_rows`` are
     per-example gradients added as they are (a release observer's). An empty sample gives zero
-    sums of the right shapes. ``engine``: see ``per_example_gradients``."""
+    sums of the right shapes. ``engine``: see ``per_example_gradients``; on the layer engine
+    with ``factored_layers``, the weights the subspace embeds by Gram products (GEP, B-GEP),
+    or whose norms cost less as ghost norms (GP: ``planned_ghost_weights``), are kept as
+    factors and never materialised (``GEPConfig.factored_layers``)."""
     device = next(p for p in model.parameters() if p.requires_grad).device
     total = None
+    factored = frozenset()
+    factoring = engine == "layers" and factored_layers
+    if factoring and mechanism.uses_subspace and subspace is not None:
+        factored = subspace.factored_weights  # embedded by Gram products
     for inputs, targets, *valid in batches:
+        if factoring and not mechanism.uses_subspace and inputs.shape[0]:
+            factored = planned_ghost_weights(model, inputs, layout)  # GP: ghost norms
+        if factored and inputs.shape[0]:
+            sums = _factored_sums(
+                model,
+                loss_fn,
+                inputs.to(device),
+                targets.to(device),
+                valid,
+                layout,
+                mechanism,
+                subspace,
+                max_chunk,
+                factored,
+            )
+            if sums is not None:
+                total = sums if total is None else total + sums
+                continue
         grads = per_example_gradients(
             model,
             loss_fn,
@@ -343,6 +377,37 @@ def clipped_sums_of_batches(
     if extra_rows is not None or total is None:
         rows = extra_rows if extra_rows is not None else torch.empty(0, layout.size)
         sums = mechanism.clipped_sums(rows.to(device=device, dtype=torch.float32), subspace)
+        total = sums if total is None else total + sums
+    return total
+
+
+def _factored_sums(
+    model, loss_fn, inputs, targets, valid, layout, mechanism, subspace, max_chunk, factored
+) -> ClippedSums | None:
+    """``clipped_sums_of_batches`` for one batch with the subspace's Gram weights kept as
+    factors (``max_chunk`` examples at a time); None when the layer engine cannot serve
+    the model (the caller then materialises every gradient)."""
+    total = None
+    for start in range(0, inputs.shape[0], max_chunk):
+        stop = start + max_chunk
+        grads = factored_gradients(
+            model, loss_fn, inputs[start:stop], targets[start:stop], layout, factored
+        )
+        if grads is None:
+            return None
+        if valid:
+            invalid = ~valid[0][start:stop].to(device=inputs.device, dtype=torch.bool)
+            grads = PerExampleGradients(
+                layout,
+                grads.dense.masked_fill(invalid[:, None], float("nan")),
+                {
+                    n: LayerFactors(
+                        f.inputs, f.backprops.masked_fill(invalid[:, None, None], float("nan"))
+                    )
+                    for n, f in grads.factors.items()
+                },
+            )
+        sums = mechanism.clipped_sums(grads, subspace)
         total = sums if total is None else total + sums
     return total
 

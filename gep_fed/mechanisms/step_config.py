@@ -67,6 +67,13 @@ class GEPConfig:
             batched backward pass, ``torch.func`` for layers without a rule) or "vmap"
             (``torch.func`` for the whole model). No privacy meaning: the clip bounds are
             computed on the gradients either engine gives.
+        factored_layers: keep the per-example gradients of linear and convolution layers
+            as their factors (layer inputs, output gradients) where that costs less than
+            materialising them: GEP and B-GEP embed such layers by Gram products with the
+            anchors' factors (``gep_fed.mechanisms.gram``; few output positions, many
+            channels: a ResNet's last stage), GP takes their norms as ghost norms. The
+            subspace's computation costs more (those layers' bases are built in float64).
+            No privacy meaning: the clip bounds hold on either route.
         groups: ``{group: [parameter-name patterns]}``; None for the layer-aware default.
         anchor_cache_mb: keep anchor gradients in memory between power iterations when they
             fit in this many MiB, else recompute them per pass.
@@ -91,6 +98,7 @@ class GEPConfig:
     past_releases: int = 0
     max_chunk: int = 128
     engine: str = "layers"
+    factored_layers: bool = True
     groups: Mapping[str, Sequence[str]] | None = field(default=None, hash=False)
     anchor_cache_mb: int = 1024
 
@@ -102,6 +110,10 @@ class GEPConfig:
         check_choice("contract.mechanism", self.contract.mechanism, MECHANISMS)
         check_choice("anchor_labels", self.anchor_labels, ANCHOR_LABELS)
         check_choice("engine", self.engine, ENGINES)
+        if not isinstance(self.factored_layers, bool):
+            raise ConfigError(
+                f"factored_layers must be true or false, got {self.factored_layers!r}"
+            )
         if self.clip_quantile is not None:
             PROBABILITY.check("clip_quantile", self.clip_quantile)
         if self.residual_quantile is not None:
