@@ -91,8 +91,10 @@ class LayerFactors:
         keep = ~rows[:, None, None]
         return LayerFactors(self.inputs.where(keep, 0.0), self.backprops.where(keep, 0.0))
 
+    @cached_property
     def nu(self) -> torch.Tensor:
-        """``(n,)`` float64 upper bounds on ``sum_t ||d_it|| ||a_it||`` (so on ``||g_i||``)."""
+        """``(n,)`` float64 upper bounds on ``sum_t ||d_it|| ||a_it||`` (so on ``||g_i||``);
+        computed once (the embedding's bound, the ghost norm and the release all read it)."""
         a = torch.linalg.vector_norm(self.inputs, dim=2, dtype=torch.float64)
         d = torch.linalg.vector_norm(self.backprops, dim=2, dtype=torch.float64)
         d_in, d_out = self.inputs.shape[2], self.backprops.shape[2]
@@ -120,11 +122,11 @@ class LayerFactors:
         d = self.backprops.double()
         return ((a @ a.mT) * (d @ d.mT)).sum((1, 2))
 
-    def norm_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float64 upper bounds on ``||g_i||`` (ghost norms) and ``nu_i``."""
-        nu = self.nu()
-        squared = self.squared_norms() + self.relative_error(self.positions) * nu**2
-        return squared.clamp_min(0).sqrt() * (1 + 2 * U64), nu
+    @cached_property
+    def norm_bounds(self) -> torch.Tensor:
+        """``(n,)`` float64 upper bounds on ``||g_i||`` (ghost norms), computed once."""
+        squared = self.squared_norms() + self.relative_error(self.positions) * self.nu**2
+        return squared.clamp_min(0).sqrt() * (1 + 2 * U64)
 
 
 def ghost_pays(shape: tuple[int, int, int]) -> bool:

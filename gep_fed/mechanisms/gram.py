@@ -76,9 +76,8 @@ class GramGroup:
         for name, anchor in self.factors.items():
             mine = grads.factors[name]
             k = mine.inner(anchor)
-            norm, nu = mine.norm_bounds()
-            norms.append(norm)
-            err = mine.relative_error(anchor.positions) * torch.outer(nu, self.nu[name])
+            norms.append(mine.norm_bounds)
+            err = mine.relative_error(anchor.positions) * torch.outer(mine.nu, self.nu[name])
             inner = k if inner is None else inner + k
             entry_error = err if entry_error is None else entry_error + err
         m = c.shape[0]
@@ -135,7 +134,7 @@ def build_gram_group(
             basis[rows] = (block.T @ c).float()
             dense_rows.append(torch.arange(rows.start, rows.stop, device=c.device))
             dense_col += width
-    nu = {name: f.nu() for name, f in factors.items()}
+    nu = {name: f.nu for name, f in factors.items()}
     positions = max(f.positions for f in factors.values())
     u = unit_roundoff(torch.float32)
     fac_rows = torch.cat(

@@ -227,6 +227,7 @@ def layer_gradients(
     # The input as a leaf that requires a gradient: asking for its gradient reaches every
     # hooked output downstream of it (a copy, so that the model may change it in place).
     leaf = inputs.detach().requires_grad_() if inputs.is_floating_point() else None
+
     def find_root(_module, args, output):
         # a layer outside the layout whose output starts the graph (an embedding of indices):
         # asked for by name too, or no gradient would flow to the layers after it
@@ -305,13 +306,7 @@ def layer_engines(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
 
         return hook
 
-    handles = [s.module.register_forward_hook(capture(s)) for s in _served_layers(model)]
-    try:
-        with torch.no_grad():
-            model(example)
-    finally:
-        for h in handles:
-            h.remove()
+    _forward_with_hooks(model, example, _served_layers(model), capture)
     return found
 
 
@@ -335,11 +330,16 @@ def factor_shapes(
         return hook
 
     served = [s for s in _served_layers(model) if not s.fallback and factorable(s.module)]
-    handles = [s.module.register_forward_hook(capture(s)) for s in served]
+    _forward_with_hooks(model, example, served, capture)
+    return shapes
+
+
+def _forward_with_hooks(model, example, layers, make_hook) -> None:
+    """One forward pass without gradients with ``make_hook(layer)`` on each of ``layers``."""
+    handles = [layer.module.register_forward_hook(make_hook(layer)) for layer in layers]
     try:
         with torch.no_grad():
             model(example)
     finally:
         for h in handles:
             h.remove()
-    return shapes

@@ -306,7 +306,7 @@ class GEP(Mechanism):
             # a factored weight's s g is sum_t fl(s d_t) a_t^T, summed with the other
             # examples' (as G^T s is): the products s d_t round by u relative to |d_t||a_t|
             for f in grads.factors.values():
-                release = release + u * (1 + u) * f.nu()
+                release = release + u * (1 + u) * f.nu
         return PerExampleClipping(
             embedding=emb,
             embedding_scale=clip_factors(
@@ -398,9 +398,8 @@ class GP(Mechanism):
             blocks = [block_row_norms(grads.dense, ROW_NORM_BLOCK)]
             extra = 0.0
             for f in grads.factors.values():
-                ghost, nu = f.norm_bounds()
-                blocks.append(ghost[:, None])
-                extra = extra + u * (1 + u) * nu  # fl(s d_t) a_t^T, as in GEP's release
+                blocks.append(f.norm_bounds[:, None])
+                extra = extra + u * (1 + u) * f.nu  # fl(s d_t) a_t^T, as in GEP's release
             norms = combine_block_norms(torch.cat(blocks, 1))
             release = scaled_release_norm(norms, grads.dtype) + extra
             length = grads.layout.size
