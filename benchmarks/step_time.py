@@ -22,6 +22,8 @@ installed Opacus cannot build or run it on the model, the table says so and why.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import statistics
 import subprocess
@@ -171,6 +173,10 @@ def make_steps(
     )
     anchor_seconds = {}
     if anchors:
+        if time_refresh:  # warm-up on a few anchors, so neither timed refresh pays first calls
+            compute_anchor_subspace(
+                model, public[: 2 * max_chunk], layout, cfg, loss_fn=F.cross_entropy
+            )
         for gram in (False, True) if time_refresh else (True,):  # without, then with Gram
             began = time.perf_counter()
             subspace = compute_anchor_subspace(
@@ -333,6 +339,14 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def release_free_heap() -> None:
+    """Return freed heap pages to the system (glibc ``malloc_trim``) so that the resident set
+    is what is in use: without it, a method whose setup freed a lot (the anchor subspace)
+    would run its step in pages already resident and its peak would be undercounted."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: levels include freed pages
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def memory_level(device: torch.device, peak: bool = False) -> float:
     """MiB in use now (or the high-water mark since the last reset): resident set on CPU,
     allocated tensors on CUDA."""
@@ -350,6 +364,7 @@ def measure_peak(fn, device: torch.device) -> float:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     else:
+        release_free_heap()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS high-water mark
     before = memory_level(device)
     fn()
@@ -370,7 +385,7 @@ def peak_memory(
         + f"dev = torch.device('{device}');"
         f"steps, *_ = s.make_steps('{setup}', dev, {num_anchors}, {max_chunk}, "
         f"{method in WITH_ANCHORS}, False);"
-        "fn = steps['" + method + "']; b0 = s.memory_level(dev); fn();"
+        "fn = steps['" + method + "']; s.release_free_heap(); b0 = s.memory_level(dev); fn();"
         "print(s.measure_peak(fn, dev), s.memory_level(dev, peak=True) - b0)"
     )
     out = subprocess.run(

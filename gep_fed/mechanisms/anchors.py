@@ -6,6 +6,7 @@ make the subspace overfit the auxiliary set). Nothing here touches private data.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -254,16 +255,28 @@ def rebuild_anchor_subspace(
     return subspace
 
 
+# A group's other parameters are still materialised and their anchor gradients held in
+# float64 at each refresh: below this share of factored weights the overhead outweighs the saving.
+GRAM_GROUP_SHARE = 0.5
+
+
 def planned_gram_weights(
     model: nn.Module, example: torch.Tensor, layout: ParameterLayout, dims, num_anchors: int
 ) -> frozenset[str]:
     """The weights whose embedding costs less by Gram products with ``num_anchors`` anchors
-    than by materialising their gradients (``gram.gram_pays``), for inputs like ``example``."""
+    than by materialising their gradients (``gram.gram_pays``), for inputs like ``example``,
+    in the groups where such weights hold at least ``GRAM_GROUP_SHARE`` of the parameters."""
     group_of = {n: i for i, g in enumerate(layout.groups) for n in g.param_names}
+    chosen: dict[int, list[str]] = {}
+    for name, shape in factor_shapes(model, example, layout).items():
+        if gram_pays(shape, num_anchors, dims[group_of[name]]):
+            chosen.setdefault(group_of[name], []).append(name)
+    sizes = dict(zip(layout.names, (math.prod(s) for s in layout.shapes), strict=True))
     return frozenset(
         name
-        for name, shape in factor_shapes(model, example, layout).items()
-        if gram_pays(shape, num_anchors, dims[group_of[name]])
+        for index, names in chosen.items()
+        if sum(sizes[n] for n in names) >= GRAM_GROUP_SHARE * layout.groups[index].size
+        for name in names
     )
 
 
