@@ -120,6 +120,12 @@ def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None
     return text
 
 
+def threads_text(records) -> str:
+    """The threads the logged runs used (each record keeps its own)."""
+    used = sorted({r.get("threads", 1) for r in records})
+    return " or ".join(map(str, used)) + (" thread" if used == [1] else " threads") + " per run"
+
+
 def write_table(
     dataset: str, records: list[dict], info: dict, goal: tuple, log: Path, path: Path
 ) -> Path:
@@ -148,7 +154,7 @@ def write_table(
         "delta = 1e-5; epsilon reported under RDP and PLD. " + anchor_text + "once (no "
         "parameters, no data statistics: no privacy cost), per-example GroupNorm "
         "(no statistics across examples). Seconds are wall / CPU seconds on a shared 2-core "
-        f"machine, 1 thread. {goal_text(dataset, records, goal)}",
+        f"machine, {threads_text(records)}. {goal_text(dataset, records, goal)}",
         "",
         "## Test accuracy (chosen on validation, tested once)",
         "",

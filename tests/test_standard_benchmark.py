@@ -11,6 +11,15 @@ standard = pytest.importorskip("standard")
 DATASETS = ("mnist", "fmnist", "cifar10")
 
 
+def _model_options(record: dict) -> list[str]:
+    """The --head / --width a record's model label (``linear``, ``cnn``, ``cnn-w2``) came from;
+    raw-pixel models take none."""
+    if record["features"] == "raw":
+        return []
+    head, _, width = record["head"].partition("-w")
+    return ["--head", head] + (["--width", width] if width else [])
+
+
 def _args(record: dict):
     tan = record.get("tan", 1) if record["stage"] == "tune" else 8
     return standard.parse_args(
@@ -23,6 +32,7 @@ def _args(record: dict):
             str(tan),
             "--features",
             record["features"],
+            *_model_options(record),
         ]
     )
 
