@@ -6,7 +6,6 @@ make the subspace overfit the auxiliary set). Nothing here touches private data.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -271,11 +270,15 @@ def planned_gram_weights(
     for name, shape in factor_shapes(model, example, layout).items():
         if gram_pays(shape, num_anchors, dims[group_of[name]]):
             chosen.setdefault(group_of[name], []).append(name)
-    sizes = dict(zip(layout.names, (math.prod(s) for s in layout.shapes), strict=True))
+
+    def size(name: str) -> int:
+        start, stop = layout.index[name]
+        return stop - start
+
     return frozenset(
         name
         for index, names in chosen.items()
-        if sum(sizes[n] for n in names) >= GRAM_GROUP_SHARE * layout.groups[index].size
+        if sum(map(size, names)) >= GRAM_GROUP_SHARE * layout.groups[index].size
         for name in names
     )
 
