@@ -706,6 +706,7 @@ def main(argv=None) -> int:
             "epsilon": None if method == "nonprivate" else args.epsilon,
             "grid": args.grid,
             "setting": setting,
+            "seed": args.seed,
             **(extra or {}),
             **out,
             "host": socket.gethostname(),

@@ -32,6 +32,8 @@ def _args(record: dict):
             str(tan),
             "--features",
             record["features"],
+            "--seed",
+            str(record.get("seed", 0)),  # logged since the second seeds; 0 before
             *_model_options(record),
         ]
     )
