@@ -514,7 +514,7 @@ def write_table(dataset: str, out: Path = OUT) -> Path:
     """``dataset``'s table from its log (``standard_table.write_table``)."""
     return standard_table.write_table(
         dataset,
-        read_log(dataset, out),
+        read_log(dataset, out, superseded=True),
         DATASETS[dataset],
         GOALS[dataset],
         log_path(dataset, out),
@@ -526,11 +526,15 @@ def log_path(dataset: str, out: Path = OUT) -> Path:
     return Path(out) / f"{dataset}.jsonl"
 
 
-def read_log(dataset: str, out: Path = OUT) -> list[dict]:
+def read_log(dataset: str, out: Path = OUT, *, superseded: bool = False) -> list[dict]:
+    """The logged runs in log order. A run marked ``superseded`` (with the reason: a defect
+    fixed since that changed its result) stays in the log but is returned only with
+    ``superseded=True``: it is neither skipped on a rerun nor chosen nor tabulated as a result."""
     path = log_path(dataset, out)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records if superseded else [r for r in records if not r.get("superseded")]
 
 
 def run_key(args, method: str, setting: dict, stage: str) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 # Published figures beside ours (delta = 1e-5 throughout).
@@ -120,6 +121,21 @@ def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None
     return text
 
 
+def seed_spread(tunes: list[dict]) -> list[tuple[dict, list[float]]]:
+    """Validation accuracies of each tuning setting run at two or more seeds, in log order:
+    ``(first record, accuracies)``. A seed changes the Poisson samples and the noise, so the
+    spread is how far one run's accuracy can be trusted when settings are compared."""
+    groups: dict[str, tuple[dict, dict[int, float]]] = {}
+    for r in tunes:
+        key = json.dumps(
+            [r["method"], model_text(r), r["setting"], r.get("tan", 1), r.get("lever")],
+            sort_keys=True,
+        )
+        by_seed = groups.setdefault(key, (r, {}))[1]
+        by_seed[r.get("seed", 0)] = r["accuracy"]
+    return [(first, list(acc.values())) for first, acc in groups.values() if len(acc) > 1]
+
+
 def threads_text(records) -> str:
     """The threads the logged runs used (each record keeps its own)."""
     used = sorted({r.get("threads", 1) for r in records})
@@ -144,6 +160,8 @@ def write_table(
         "GEP/B-GEP anchors: KMNIST through the same front end, random labels "
         "unless stated. ScatterNet: kymatio Scattering2D(J=2, L=8) on pixels / 255, computed ",
     )
+    superseded = [r for r in records if r.get("superseded")]
+    records = [r for r in records if not r.get("superseded")]
     n_fit = info["n_train"] - info["val_size"]
     lines = [
         f"# {title}: GEP against DP-SGD (Opacus) on the standard split",
@@ -197,9 +215,9 @@ def write_table(
         "noise per example); the run's own epsilon is then far above the target, which is "
         f"given beside it (RDP / PLD of the setting at R = 1 on the {n_fit:,} fit images).",
         "",
-        "| method | features | setting | TAN R | val acc | epsilon RDP / PLD (this run) | "
+        "| method | features | setting | TAN R | seed | val acc | epsilon RDP / PLD (this run) | "
         "target epsilon RDP / PLD | sigma (run / target) | steps | wall / CPU s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in tunes:
         feats = model_text(r)
@@ -215,9 +233,29 @@ def write_table(
             sig = f"{r['sigma']:.3f} / {t.get('sigma', r['sigma']):.3f}"
         lines.append(
             f"| {r['method']} | {feats} | {fmt_setting(r['method'], r['setting'])} | "
-            f"{r.get('tan', 1)} | {100 * r['accuracy']:.2f} | {eps_run} | {eps_t} | {sig} | "
+            f"{r.get('tan', 1)} | {r.get('seed', 0)} | {100 * r['accuracy']:.2f} | {eps_run} | "
+            f"{eps_t} | {sig} | "
             f"{r['steps']} | {r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
         )
+    spread = seed_spread(tunes)
+    if spread:
+        lines += [
+            "",
+            "## Spread over seeds (validation)",
+            "",
+            "Settings run at more than one seed (seed 0 before the seed was logged): a "
+            "difference between settings or methods smaller than this spread is not a finding.",
+            "",
+            "| method | features | setting | TAN R | seeds | val acc mean | sd | min | max |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r, acc in spread:
+            lines.append(
+                f"| {r['method']} | {model_text(r)} | {fmt_setting(r['method'], r['setting'])} | "
+                f"{r.get('tan', 1)} | {len(acc)} | {100 * statistics.mean(acc):.2f} | "
+                f"{100 * statistics.stdev(acc):.2f} | {100 * min(acc):.2f} | "
+                f"{100 * max(acc):.2f} |"
+            )
     levers = [r for r in tunes if r.get("lever")]
     if levers:
         lines += [
@@ -241,6 +279,19 @@ def write_table(
                 f"{'-' if base_acc is None else f'{100 * base_acc:.2f}'} | "
                 f"{100 * r['accuracy']:.2f} | "
                 f"{change} |"
+            )
+    if superseded:
+        lines += [
+            "",
+            "## Superseded runs (kept in the log, not results)",
+            "",
+            "| method | features | setting | seed | val acc | why |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in superseded:
+            lines.append(
+                f"| {r['method']} | {model_text(r)} | {fmt_setting(r['method'], r['setting'])} "
+                f"| {r.get('seed', 0)} | {100 * r['accuracy']:.2f} | {r['superseded']} |"
             )
     total_wall = sum(r["seconds"] for r in records)
     total_cpu = sum(r["cpu_seconds"] for r in records)

@@ -42,7 +42,7 @@ def _args(record: dict):
 @pytest.mark.parametrize("dataset", DATASETS)
 def test_every_logged_run_is_found_again_by_its_key(dataset):
     """A rerun skips what the log holds only if the key it computes is the logged one."""
-    records = standard.read_log(dataset)
+    records = standard.read_log(dataset, superseded=True)
     assert records, f"no log for {dataset}"
     for r in records:
         assert standard.run_key(_args(r), r["method"], r["setting"], r["stage"]) == r["key"]
@@ -129,3 +129,33 @@ def test_opacus_runs_follow_the_settings_weight_decay_and_learning_rate_drop():
     plain, decayed = final_norm({}), final_norm({"wd": 0.1})
     dropped = final_norm({"wd": 0.1, "decay_at": 0.5})
     assert decayed < dropped < plain
+
+
+def test_the_spread_over_seeds_groups_one_setting_and_leaves_single_runs_out():
+    import standard_table
+
+    def rec(method, seed, acc, lr=1.0):
+        return {
+            "method": method,
+            "features": "raw",
+            "head": "resnet20",
+            "params": 1,
+            "setting": {"lr": lr},
+            "tan": 8,
+            "seed": seed,
+            "accuracy": acc,
+        }
+
+    tunes = [
+        rec("gp", 0, 0.25),
+        rec("gp", 1, 0.21),
+        rec("gp", 2, 0.29),
+        rec("gp", 0, 0.5, 2.0),
+        rec("opacus", 0, 0.30),
+        rec("opacus", 1, 0.30),
+    ]
+    spread = standard_table.seed_spread(tunes)
+    assert [(r["method"], sorted(acc)) for r, acc in spread] == [
+        ("gp", [0.21, 0.25, 0.29]),
+        ("opacus", [0.30, 0.30]),
+    ]

@@ -153,7 +153,8 @@ def to_tensor(images: np.ndarray, mean: float | None = None, std: float | None =
     """``uint8`` images to float ``(N, C, H, W)`` tensors, standardised by ``mean`` and ``std``
     (of [0, 1] pixel values; default: the images' own)."""
     x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
-    x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+    # (N, C, H, W) in the default memory format: the permuted view alone is channels-last
+    x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2).contiguous()
     mean = float(x.mean()) if mean is None else mean
     std = float(x.std()) if std is None else std
     return (x - mean) / max(std, 1e-8)

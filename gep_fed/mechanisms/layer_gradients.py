@@ -194,6 +194,10 @@ def layer_gradients(
             write_factors(layer, activations[0], backprop)
             return
         rule = _rule_for(layer, activations[0])
+        # Opacus's convolution rule reads its input through ``as_strided`` with the strides of
+        # the default memory format: a channels-last input (an image batch permuted from
+        # height x width x channels) would give it wrong gradients.
+        activations = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in activations]
         for param, grad in rule(layer.module, activations, backprop).items():
             if id(param) in wanted:
                 store(param, grad)
