@@ -136,6 +136,77 @@ def seed_spread(tunes: list[dict]) -> list[tuple[dict, list[float]]]:
     return [(first, list(acc.values())) for first, acc in groups.values() if len(acc) > 1]
 
 
+def sweep_rows(records: list[dict]) -> list[dict]:
+    """GEP against tuned DP-SGD per (target epsilon, model), the dimension sweep: for each
+    method its best seed-0 validation accuracy on the grid (no levers) and its test accuracy
+    (the last final run logged), and GEP minus the better of GP and Opacus, on the test split
+    where all three have a final run, else on validation. Only private models GEP ran on."""
+    cells: dict[tuple, dict] = {}
+    for r in records:
+        if r["method"] not in ("gep", "gp", "opacus") or r.get("lever"):
+            continue
+        cell = cells.setdefault(
+            (r["epsilon"], r.get("params") or 0, model_text(r)),
+            {"epsilon": r["epsilon"], "model": model_text(r), "params": r.get("params")},
+        )
+        if r["stage"] == "final":
+            cell[f"{r['method']}_test"] = r["accuracy"]
+        elif r.get("seed", 0) == 0:
+            key = f"{r['method']}_val"
+            cell[key] = max(cell.get(key, 0.0), r["accuracy"])
+    rows = []
+    for _, cell in sorted(cells.items()):
+        for split in ("test", "val"):
+            gep, dpsgd = (
+                cell.get(f"gep_{split}"),
+                [cell.get(f"{m}_{split}") for m in ("gp", "opacus")],
+            )
+            if gep is not None and None not in dpsgd:
+                rows.append({**cell, "split": split, "gap": gep - max(dpsgd)})
+                break
+    return rows
+
+
+def write_sweep_plot(rows: list[dict], path: Path, title: str) -> Path:
+    """GEP - tuned DP-SGD against the number of trainable parameters, one series per target
+    epsilon; filled markers on the test split, open ones on validation (no final run yet)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for i, eps in enumerate(sorted({r["epsilon"] for r in rows})):
+        series = sorted((r for r in rows if r["epsilon"] == eps), key=lambda r: r["params"])
+        color = f"C{i}"
+        ax.scatter([], [], color=color, label=f"epsilon {eps:g}")
+        for r in series:
+            ax.scatter(
+                r["params"],
+                100 * r["gap"],
+                color=color,
+                zorder=3,
+                facecolors=color if r["split"] == "test" else "none",
+            )
+            ax.annotate(
+                r["model"].split(" (")[0],
+                (r["params"], 100 * r["gap"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("trainable parameters")
+    ax.set_ylabel("GEP - best of GP, Opacus (points)")
+    ax.set_title(f"{title}: GEP against tuned DP-SGD (filled: test, open: validation)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
 def threads_text(records) -> str:
     """The threads the logged runs used (each record keeps its own)."""
     used = sorted({r.get("threads", 1) for r in records})
@@ -160,6 +231,11 @@ def write_table(
         "GEP/B-GEP anchors: KMNIST through the same front end, random labels "
         "unless stated. ScatterNet: kymatio Scattering2D(J=2, L=8) on pixels / 255, computed ",
     )
+    # runs logged before the parameter count was: the same model's count from another run
+    params = {(r["features"], r["head"]): r["params"] for r in records if r.get("params")}
+    records = [
+        {**r, "params": r.get("params") or params.get((r["features"], r["head"]))} for r in records
+    ]
     superseded = [r for r in records if r.get("superseded")]
     records = [r for r in records if not r.get("superseded")]
     n_fit = info["n_train"] - info["val_size"]
@@ -237,6 +313,35 @@ def write_table(
             f"{eps_t} | {sig} | "
             f"{r['steps']} | {r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
         )
+    sweep = [r for r in sweep_rows(records) if r["params"]]
+    if len({r["model"] for r in sweep}) > 1:
+        plot = write_sweep_plot(sweep, path.with_name(f"{dataset}_sweep.png"), title)
+        lines += [
+            "",
+            "## Dimension sweep: GEP against tuned DP-SGD by model size",
+            "",
+            "Each method's best seed-0 validation run of its grid and its test run; the gap is GEP "
+            "minus the better of GP and Opacus, on the test split where all three were tested, "
+            "else on validation.",
+            "",
+            f"![GEP - DP-SGD against parameters]({plot.name})",
+            "",
+            "| epsilon | model | GEP val / test | GP val / test | Opacus val / test | "
+            "GEP - DP-SGD (split) |",
+            "|---|---|---|---|---|---|",
+        ]
+
+        def pair(row: dict, method: str) -> str:
+            return " / ".join(
+                "-" if row.get(f"{method}_{s}") is None else f"{100 * row[f'{method}_{s}']:.2f}"
+                for s in ("val", "test")
+            )
+
+        for r in sweep:
+            lines.append(
+                f"| {r['epsilon']:g} | {r['model']} | {pair(r, 'gep')} | {pair(r, 'gp')} | "
+                f"{pair(r, 'opacus')} | {100 * r['gap']:+.2f} ({r['split']}) |"
+            )
     spread = seed_spread(tunes)
     if spread:
         lines += [

@@ -159,3 +159,36 @@ def test_the_spread_over_seeds_groups_one_setting_and_leaves_single_runs_out():
         ("gp", [0.21, 0.25, 0.29]),
         ("opacus", [0.30, 0.30]),
     ]
+
+
+def test_the_sweep_compares_gep_with_the_better_dp_sgd_on_test_where_all_three_were_tested():
+    import standard_table
+
+    def rec(method, stage, acc, head="cnn", params=50_000, seed=0):
+        return {
+            "method": method,
+            "stage": stage,
+            "features": "scatter",
+            "head": head,
+            "params": params,
+            "epsilon": 8.0,
+            "seed": seed,
+            "accuracy": acc,
+        }
+
+    records = [
+        *(rec(m, "tune", a) for m, a in (("gep", 0.50), ("gep", 0.52), ("gp", 0.49))),
+        rec("opacus", "tune", 0.51),
+        rec("gp", "tune", 0.60, seed=1),  # another seed: not the grid's
+        *(rec(m, "final", a) for m, a in (("gep", 0.55), ("gp", 0.56), ("opacus", 0.53))),
+        # a wider model without final runs yet: compared on validation
+        *(rec(m, "tune", a, "cnn-w2", 150_000) for m, a in (("gep", 0.58), ("gp", 0.55))),
+        rec("opacus", "tune", 0.56, "cnn-w2", 150_000),
+        rec("gep", "tune", 0.7, "cnn-w4", 600_000),  # no DP-SGD run: no row
+    ]
+    rows = standard_table.sweep_rows(records)
+    assert [(r["model"], r["split"], round(100 * r["gap"], 2)) for r in rows] == [
+        ("scatter+cnn (50,000)", "test", -1.0),
+        ("scatter+cnn-w2 (150,000)", "val", 2.0),
+    ]
+    assert rows[0]["gep_val"] == 0.52 and rows[0]["gp_val"] == 0.49
