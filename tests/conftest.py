@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # Each worker gets its share of the cores, and so do the processes it starts (Flower
+    # simulations, SuperNodes, CLI runs): oversubscribed OpenMP threads spin against each other.
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 SHARED_DATA = Path(
     os.environ.get("GEP_FED_SHARED_DATA", Path(__file__).parents[1] / ".." / "shared" / "data")
 ).resolve()
