@@ -36,9 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     standard.epsilons = lambda *a, **k: (float("inf"), float("inf"))
     data = standard.Data(args)
     out = Path(args.out) / f"{args.dataset}_noise_free.jsonl"
+    chosen = []
+    sizes = ", ".join(f"{m}: 0-{len(s) - 1}" for m, s in grids.items())
     for run in runs:
-        method, index = run.split(":")
-        setting = grids[method][int(index)]
+        method, _, index = run.partition(":")
+        if method not in grids or not index.isdigit() or int(index) >= len(grids[method]):
+            raise SystemExit(f"--runs {run!r}: give METHOD:INDEX of grid {args.grid!r} ({sizes})")
+        chosen.append((method, grids[method][int(index)]))
+    for method, setting in chosen:
         began = time.perf_counter()
         rec = standard.run_one(args, data, method, setting, "tune")
         row = {

@@ -177,10 +177,9 @@ def write_sweep_plot(rows: list[dict], path: Path, title: str) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for i, eps in enumerate(sorted({r["epsilon"] for r in rows})):
-        series = sorted((r for r in rows if r["epsilon"] == eps), key=lambda r: r["params"])
         color = f"C{i}"
         ax.scatter([], [], color=color, label=f"epsilon {eps:g}")
-        for r in series:
+        for r in (r for r in rows if r["epsilon"] == eps):
             ax.scatter(
                 r["params"],
                 100 * r["gap"],
