@@ -171,8 +171,9 @@ LEVERS = {
         {"k": 300},
         {"s2_ratio": 0.3},
         {"warm": 10},
+        {"warm": 10, "warm_public": 10000},
     ),
-    "gp": ({"ema": 0.99}, {"ema": 0.997}, {"warm": 10}),
+    "gp": ({"ema": 0.99}, {"ema": 0.997}, {"warm": 10}, {"warm": 10, "warm_public": 10000}),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -214,13 +215,21 @@ class Data:
             )
         if not 0 < args.val_size < n_train:
             raise SystemExit(f"--val-size must be in 1..{n_train - 1}, got {args.val_size}")
-        self.pick = np.random.default_rng(0).permutation(len(public[0]))[: args.num_public]
+        # the anchors are the first --num-public of a fixed order; a warm start may take more
+        self.public_order = np.random.default_rng(0).permutation(len(public[0]))
+        if not 0 < args.num_public <= len(self.public_order):
+            raise SystemExit(
+                f"--num-public must be in 1..{len(self.public_order):,} (the public images), "
+                f"got {args.num_public}"
+            )
+        self.pick = self.public_order[: args.num_public]
         perm = np.random.default_rng(args.split_seed).permutation(n_train)
         self.val_idx, self.fit_idx = perm[: args.val_size], perm[args.val_size :]
         self.labels = {
             "train": torch.from_numpy(train[1]),
             "test": torch.from_numpy(test[1]),
             "public": torch.from_numpy(public[1][self.pick]),
+            "public_pool": torch.from_numpy(public[1]),
         }
         self.images = {"train": train[0], "test": test[0], "public": public[0]}
         self.spec = spec
@@ -246,8 +255,6 @@ class Data:
                 x = (to_tensor(images, 0.0, 1.0) - mean) / std
             else:
                 x = to_tensor(images, self.spec["mean"], self.spec["std"])
-            if name == "public":
-                x = x[torch.from_numpy(self.pick)]
             self._x[name] = x
         return self._x[name]
 
@@ -259,7 +266,17 @@ class Data:
 
     @property
     def public(self) -> torch.Tensor:
-        return self._features("public")
+        """The held public images (the anchors' pool), ``--num-public`` of them."""
+        return self._features("public")[torch.from_numpy(self.pick)]
+
+    def public_images(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``count`` public images in the anchors' order, with their own labels."""
+        if not 0 < count <= len(self.public_order):
+            raise SystemExit(
+                f"{count} public images asked for; there are {len(self.public_order):,}"
+            )
+        idx = torch.from_numpy(self.public_order[:count])
+        return self._features("public")[idx], self.labels["public_pool"][idx]
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
@@ -274,16 +291,22 @@ def model_label(args) -> str:
     return args.head + (f"-w{args.width}" if args.width != 1 else "")
 
 
-def build_model(args, data: Data) -> torch.nn.Module:
+def build_model(args, data: Data, num_classes: int = 10) -> torch.nn.Module:
     if args.features == "raw":
-        return resnet20_gn(3, 10) if args.dataset == "cifar10" else MnistCNN()
+        if args.dataset == "cifar10":
+            return resnet20_gn(3, num_classes)
+        return MnistCNN(num_classes=num_classes)
     from gep_fed.data.scatternet import scatter_cnn, scatter_linear
 
     if args.head == "linear":
-        return scatter_linear(10, data.feature_shape, groups=args.groups)
+        return scatter_linear(num_classes, data.feature_shape, groups=args.groups)
     w = args.width  # Tramer & Boneh's CNN at width 1; the dimension sweep widens it
     return scatter_cnn(
-        10, data.feature_shape, groups=args.groups, channels=(16 * w, 32 * w), hidden=32 * w
+        num_classes,
+        data.feature_shape,
+        groups=args.groups,
+        channels=(16 * w, 32 * w),
+        hidden=32 * w,
     )
 
 
@@ -376,21 +399,29 @@ def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_
 # One run
 
 
-def warm_start(model, data: Data, epochs: int, seed: int) -> None:
-    """Lever 1: pre-train on the public anchors with their own labels (KMNIST's 10 classes
-    onto the 10 outputs; no private data, no privacy cost) before private training."""
-    if data.args.dataset == "cifar10":
-        raise SystemExit("warm start needs 10-class public labels; Tiny-ImageNet has 200")
-    x, y = data.public, data.labels["public"]
+def warm_start(args, model: torch.nn.Module, data: Data, setting: dict, seed: int) -> None:
+    """Lever 1: pre-train for ``setting["warm"]`` epochs on public images with their own labels
+    (no private data, no privacy cost) before private training: the held anchors, or the
+    first ``setting["warm_public"]`` of the public pool (a superset of them). KMNIST's 10
+    classes train the model itself; Tiny-ImageNet's 200 train a 200-way twin, whose tensors
+    of the model's shapes (all but the classifier) then replace the model's."""
+    x, y = data.public_images(setting.get("warm_public", args.num_public))
+    classes = int(y.max()) + 1
+    twin = model if classes == 10 else build_model(args, data, num_classes=classes)
     train_nonprivate(
-        model,
+        twin,
         x,
         y,
-        epochs * math.ceil(len(x) / 256),
+        setting["warm"] * math.ceil(len(x) / 256),
         256,
         OptimizerConfig(lr=0.01, momentum=0.9),
         generator=torch.Generator().manual_seed(seed),
     )
+    if twin is not model:
+        own = model.state_dict()
+        model.load_state_dict(
+            {k: v if v.shape == own[k].shape else own[k] for k, v in twin.state_dict().items()}
+        )
 
 
 def optimizer_config(setting: dict) -> OptimizerConfig:
@@ -414,7 +445,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
     model = build_model(args, data)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if setting.get("warm"):
-        warm_start(model, data, setting["warm"], args.seed)
+        warm_start(args, model, data, setting, args.seed)
     opt = optimizer_config(setting)
     q, steps = schedule(n, setting["batch"], setting["epochs"])
     rec = {"n_train": n, "n_eval": len(eval_xy[0]), "steps": steps, "params": params}
@@ -650,6 +681,13 @@ def parse_args(argv=None):
     )
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument(
+        "--levers",
+        nargs="+",
+        default=None,
+        metavar="KNOB",
+        help="with --stage levers: only the levers that set one of these knobs (e.g. warm ema)",
+    )
+    ap.add_argument(
         "--lever-final",
         action="store_true",
         help="with --stage levers: test the best lever setting if it beat the grid on validation",
@@ -761,6 +799,7 @@ def main(argv=None) -> int:
                         {"lever": lever, "base": best["setting"]},
                     )
                     for lever in LEVERS.get(method, ())
+                    if args.levers is None or set(lever) & set(args.levers)
                 ]
                 tried = [r for r in tried if r is not None]
                 winner = max(tried, key=lambda r: r["accuracy"], default=None)

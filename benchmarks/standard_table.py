@@ -65,7 +65,8 @@ def fmt_setting(method: str, s: dict) -> str:
     if s.get("ema"):
         parts.append(f"EMA={s['ema']:g}")
     if s.get("warm"):
-        parts.append(f"warm start {s['warm']} public epochs")
+        pool = f" on {s['warm_public']:,} images" if "warm_public" in s else ""
+        parts.append(f"warm start {s['warm']} public epochs{pool}")
     if s.get("quantile"):
         parts.append(f"S1,S2=public q{s['quantile']:g}")
     if s.get("private_quantile"):

@@ -131,6 +131,38 @@ def test_opacus_runs_follow_the_settings_weight_decay_and_learning_rate_drop():
     assert decayed < dropped < plain
 
 
+def test_a_warm_start_on_200_public_classes_keeps_all_but_the_models_classifier():
+    """Tiny-ImageNet's labels train a 200-way twin; the 10-way model takes every tensor but its
+    classifier from it, on the public images the lever names."""
+    import torch
+
+    class PublicOnly:  # the part of ``Data`` a warm start reads: public images and labels
+        def __init__(self):
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(40, 3, 32, 32, generator=g), torch.arange(40) % 200
+            self.y[0] = 199
+            self.asked = None
+
+        def public_images(self, count):
+            self.asked = count
+            return self.x[:count], self.y[:count]
+
+    args = standard.parse_args(["--dataset", "cifar10", "--features", "raw"])
+    data = PublicOnly()
+    torch.manual_seed(0)
+    model = standard.build_model(args, data)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    standard.warm_start(args, model, data, {"warm": 1, "warm_public": 32}, seed=0)
+    after = model.state_dict()
+    assert data.asked == 32
+    assert torch.equal(after["fc.weight"], before["fc.weight"])
+    assert torch.equal(after["fc.bias"], before["fc.bias"])
+    assert not torch.equal(after["conv1.weight"], before["conv1.weight"])
+    assert not torch.equal(after["layer3.2.conv2.weight"], before["layer3.2.conv2.weight"])
+    standard.warm_start(args, model, data, {"warm": 1}, seed=0)
+    assert data.asked == args.num_public  # without warm_public: the held anchors
+
+
 def test_the_spread_over_seeds_groups_one_setting_and_leaves_single_runs_out():
     import standard_table
 
