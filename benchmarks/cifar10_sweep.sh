@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 23's CIFAR-10 runs in the order they are worth running: the ScatterNet dimension sweep
+# at epsilon 8 and 3 (linear head, CNN at widths 1 and 2), ResNet20-GN end to end at epsilon 8
+# (tuned, then tested once), its public warm start on validation, the CNN at width 4, and
+# ResNet20-GN at epsilon 3. Every
+# run is logged in benchmarks/results/standard/cifar10.jsonl and skipped when logged, so the
+# script picks up where it stopped; it starts no run after MINUTES (default: no limit).
+#   benchmarks/cifar10_sweep.sh [MINUTES] [THREADS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+end=$(($(date +%s) + 60 * ${1:-100000}))
+threads=${2:-1}
+
+left() { echo $(((end - $(date +%s)) / 60)); }
+
+standard() {
+  if [ "$(left)" -le 0 ]; then
+    echo "out of time; rerun to continue"
+    exit 0
+  fi
+  echo "== $* ($(date -u +%H:%M) UTC, $(left) min left)"
+  "$python" benchmarks/standard.py --dataset cifar10 --tan 8 --threads "$threads" \
+    --budget-minutes "$(left)" "$@"
+}
+
+sweep=(gep gp opacus)
+resnet=(--features raw --grid resnet)
+for eps in 8 3; do
+  for model in "--head linear" "--head cnn" "--head cnn --width 2"; do
+    # shellcheck disable=SC2086  # $model is two or four words
+    standard --epsilon "$eps" --methods "${sweep[@]}" --grid cifar $model --stage all
+  done
+done
+standard --epsilon 8 --methods "${sweep[@]}" "${resnet[@]}" --stage all
+standard --epsilon 8 --methods gep gp "${resnet[@]}" --stage levers --levers warm
+for eps in 8 3; do
+  standard --epsilon "$eps" --methods "${sweep[@]}" --grid cifar --head cnn --width 4 --stage all
+done
+standard --epsilon 3 --methods "${sweep[@]}" "${resnet[@]}" --stage all
+echo "== all runs logged"
