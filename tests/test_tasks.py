@@ -176,7 +176,13 @@ def test_a_sites_scatter_features_are_computed_in_memory_never_cached(tmp_path, 
     assert sum(p.numel() for p in task.build_model().parameters()) == 81 * 2 * 2 * 10 + 10
 
 
-def test_a_cifar10_sites_file_is_served_as_scatter_features_never_cached(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "model, params",
+    [("auto", 243 * 64 * 10 + 10), ("scatter-cnn", 56_394)],  # the sweep's 56,394
+)
+def test_a_cifar10_sites_file_is_served_as_scatter_features_never_cached(
+    tmp_path, monkeypatch, model, params
+):
     cache = tmp_path / "cache"
     monkeypatch.setenv("GEP_FED_CACHE", str(cache))
     rng = np.random.default_rng(0)
@@ -186,11 +192,13 @@ def test_a_cifar10_sites_file_is_served_as_scatter_features_never_cached(tmp_pat
     )
     site = tmp_path / "site.bin"
     records.tofile(site)
-    task = resolve_task("cifar10")(TaskSettings(data_dir=str(tmp_path)))
+    task = resolve_task("cifar10")(TaskSettings(data_dir=str(tmp_path), model=model))
     x, y = task.site_dataset(str(site))[2]
     assert tuple(x.shape) == (243, 8, 8) and int(y) == 2
     assert not cache.exists()
-    assert sum(p.numel() for p in task.build_model().parameters()) == 243 * 64 * 10 + 10
+    net = task.build_model()
+    assert sum(p.numel() for p in net.parameters()) == params
+    assert net(x[None]).shape == (1, 10)
 
 
 def test_fashion_mnist_serves_the_standard_split_with_scatter_features():

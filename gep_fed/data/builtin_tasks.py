@@ -27,7 +27,7 @@ site's features are computed in memory and never cached.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import ClassVar
@@ -90,6 +90,17 @@ def scatter_dataset(
     return FeatureDataset(features if cache else features(), labels)
 
 
+def scatter_model(
+    architecture: str, num_classes: int, image_size: Sequence[int], channels: int
+) -> nn.Module:
+    """Tramer & Boneh's linear head or CNN (``architecture`` in ``SCATTER_MODELS``) on the
+    ScatterNet features of ``image_size`` images with ``channels`` channels."""
+    from gep_fed.data.scatternet import ScatterNet, scatter_cnn, scatter_linear
+
+    head = scatter_linear if architecture == "scatter-linear" else scatter_cnn
+    return head(num_classes, in_shape=ScatterNet.shape_for(image_size, channels))
+
+
 class ArrayTask(Task):
     """A built-in task whose data fit in memory as ``uint8`` arrays (the subclasses load
     them). ``image_shape`` is ``(H, W)`` or ``(H, W, C)``.
@@ -134,11 +145,9 @@ class ArrayTask(Task):
     def build_model(self) -> nn.Module:
         channels = self.image_shape[2] if len(self.image_shape) == 3 else 1
         if self.architecture in SCATTER_MODELS:
-            from gep_fed.data.scatternet import ScatterNet, scatter_cnn, scatter_linear
-
-            head = scatter_linear if self.architecture == "scatter-linear" else scatter_cnn
-            shape = ScatterNet.shape_for(self.image_shape[:2], channels)
-            return head(self.num_classes, in_shape=shape)
+            return scatter_model(
+                self.architecture, self.num_classes, self.image_shape[:2], channels
+            )
         if self.architecture == "cnn":
             return MnistCNN(channels, self.num_classes, image_size=self.image_shape[0])
         hidden = (64,) if self.architecture == "mlp" else ()
@@ -309,8 +318,9 @@ class Cifar10Task(Task):
     head, with GEP's step that won on validation in ``benchmarks/standard.py``: batch 2,048
     of 20,000, i.e. q = 1/10, for 30 epochs = 300 steps, lr 4 with momentum 0.9, S1 = 0.1,
     S2 = 0.05, k = 100 from 1,000 anchors, a new subspace every 20 steps; GP's S = 0.1),
-    "resnet20" (ResNet20 with GroupNorm, the GEP paper's model, on normalised pixels; needs a
-    GPU to train well) or "cnn" (the small MNIST-style CNN on 32x32x3).
+    "scatter-cnn" (Tramer & Boneh's CNN on the same features, 56,394 parameters), "resnet20"
+    (ResNet20 with GroupNorm, the GEP paper's model, on normalised pixels; needs a GPU to
+    train well) or "cnn" (the small MNIST-style CNN on 32x32x3).
     """
 
     default_model = "scatter-linear"
@@ -320,10 +330,10 @@ class Cifar10Task(Task):
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
         super().__init__(settings)
-        if self.settings.model not in ("auto", "scatter-linear", "resnet20", "cnn"):
+        if self.settings.model not in ("auto", *SCATTER_MODELS, "resnet20", "cnn"):
             raise ValueError(
-                "model must be auto (scatter-linear), scatter-linear, resnet20 or cnn for task "
-                f"cifar10, got {self.settings.model!r}"
+                "model must be auto (scatter-linear), scatter-linear, scatter-cnn, resnet20 or "
+                f"cnn for task cifar10, got {self.settings.model!r}"
             )
         self.architecture = (
             self.default_model if self.settings.model == "auto" else self.settings.model
@@ -333,10 +343,8 @@ class Cifar10Task(Task):
         self.batches = {b: root / f"data_batch_{b}.bin" for b in (1, 2, 5)}
 
     def build_model(self) -> nn.Module:
-        if self.architecture == "scatter-linear":
-            from gep_fed.data.scatternet import ScatterNet, scatter_linear
-
-            return scatter_linear(10, in_shape=ScatterNet.shape_for((32, 32), 3))
+        if self.architecture in SCATTER_MODELS:
+            return scatter_model(self.architecture, 10, (32, 32), 3)
         if self.architecture == "cnn":
             return MnistCNN(3, 10, image_size=32)
         return resnet20_gn(num_classes=10)
@@ -344,7 +352,7 @@ class Cifar10Task(Task):
     def _served(self, dataset: ImageDataset, cache: bool = True) -> Dataset:
         """The images as they are, or their ScatterNet features (computed once; cached on
         disk for the task's own data sets only)."""
-        if self.architecture != "scatter-linear":
+        if self.architecture not in SCATTER_MODELS:
             return dataset
         return scatter_dataset(dataset.uint8_images, dataset.targets(), cache)
 
