@@ -356,7 +356,8 @@ def opacus_loader(x, y, batches: int, seed: int) -> torch.utils.data.DataLoader:
 def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_physical):
     """DP-SGD with Opacus' PrivacyEngine at a given sigma: its DPDataLoader (Poisson sampling
     at 1 / len(loader) = q), per-sample gradients by its hooks, physical batches of at most
-    ``max_physical`` (BatchMemoryManager). Returns (model, Opacus' own RDP epsilon)."""
+    ``max_physical`` (BatchMemoryManager), each copied to the model's device. Returns
+    (model, Opacus' own RDP epsilon)."""
     from opacus import PrivacyEngine
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
@@ -364,6 +365,7 @@ def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_
     if abs(batches * q - 1) > 1e-9:
         raise ValueError(f"Opacus needs q = 1 / an integer, got {q}")
     loader = opacus_loader(x, y, batches, seed)
+    device = next(model.parameters()).device
     opt, lr_schedule = opt_cfg.make(model, steps)
     engine = PrivacyEngine(accountant="rdp", secure_mode=False)
     model, opt, loader = engine.make_private(
@@ -373,7 +375,8 @@ def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_
         noise_multiplier=sigma,
         max_grad_norm=clip,
         poisson_sampling=True,
-        noise_generator=torch.Generator().manual_seed(seed + 1),
+        # Opacus draws its noise where the gradients are, with this generator
+        noise_generator=torch.Generator(device).manual_seed(seed + 1),
     )
     done = 0
     with BatchMemoryManager(
@@ -383,7 +386,7 @@ def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_
             for xb, yb in memory_safe:
                 opt.zero_grad(set_to_none=True)
                 if len(xb):
-                    F.cross_entropy(model(xb), yb).backward()
+                    F.cross_entropy(model(xb.to(device)), yb.to(device)).backward()
                 opt.step()
                 if not opt._is_last_step_skipped:
                     lr_schedule.step()
@@ -446,6 +449,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if setting.get("warm"):
         warm_start(args, model, data, setting, args.seed)
+    model.to(args.device)
     opt = optimizer_config(setting)
     q, steps = schedule(n, setting["batch"], setting["epochs"])
     rec = {"n_train": n, "n_eval": len(eval_xy[0]), "steps": steps, "params": params}
@@ -533,6 +537,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
         seconds=time.perf_counter() - wall,
         cpu_seconds=time.process_time() - cpu,
         threads=torch.get_num_threads(),
+        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
     )
     return rec
 
@@ -660,6 +665,19 @@ def parse_args(argv=None):
     )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model trains (the data stays on the CPU; batches are copied over)",
+    )
+    ap.add_argument(
+        "--final-epochs",
+        type=int,
+        default=None,
+        help="with --stage final: retrain each method's validation winner for this many epochs "
+        "instead of its tuned number (a full-length run; sigma is calibrated for its steps)",
+    )
+    ap.add_argument(
         "--budget-minutes",
         type=float,
         default=None,
@@ -698,6 +716,12 @@ def parse_args(argv=None):
         args.epsilon = GOALS[args.dataset][0]
     if args.val_size is None:
         args.val_size = DATASETS[args.dataset]["val_size"]
+    if args.final_epochs is not None and (args.final_epochs < 1 or args.stage != "final"):
+        raise SystemExit(
+            f"--final-epochs {args.final_epochs}: a number of epochs >= 1, with --stage final"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: PyTorch sees no CUDA device here")
     if args.width < 1 or (args.width != 1 and (args.features, args.head) != ("scatter", "cnn")):
         raise SystemExit(f"--width {args.width}: a width >= 1 of --head cnn on scatter features")
     if args.dataset == "cifar10" and not args.table_only and args.anchor_labels == "true":
@@ -816,14 +840,20 @@ def main(argv=None) -> int:
                         },
                     )
                 continue
+            setting, extra = best["setting"], {}
+            if args.final_epochs is not None:
+                # the winner's setting at another length; the table keeps such runs apart
+                setting = {**setting, "epochs": args.final_epochs}
+                extra = {"tuned_epochs": best["setting"]["epochs"]}
             run(
                 method,
-                best["setting"],
+                setting,
                 "final",
                 {
                     "chosen_val_accuracy": best["accuracy"],
                     "tuned_runs": len(tuned),
                     "tuning_cpu_seconds": sum(r["cpu_seconds"] for r in tuned),
+                    **extra,
                 },
             )
     path = write_table(args.dataset, out_dir)

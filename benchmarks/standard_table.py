@@ -111,14 +111,22 @@ def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None
     if goal_acc is not None:
         return f"Goal of issue #13: GEP >= {goal_acc}% at epsilon {goal_eps:g}."
     text = f"Goal: {GOAL_TEXT[dataset]}."
-    final = {
-        r["method"]: r
-        for r in records
-        if r["stage"] == "final" and r["epsilon"] == goal_eps and r["method"] in ("gep", "opacus")
-    }
-    if len(final) == 2:
-        gap = 100 * (final["gep"]["accuracy"] - final["opacus"]["accuracy"])
-        text += f" Now: GEP - Opacus = {gap:+.2f} points (test, the last final runs logged)."
+    # the largest model all three methods were tested on at the goal's epsilon
+    tested = [
+        r
+        for r in sweep_rows(records) + full_length_rows(records)
+        if r["epsilon"] == goal_eps and r["split"] == "test"
+    ]
+    if tested:
+        largest = max(r["params"] or 0 for r in tested)
+        gaps = ", ".join(
+            f"{100 * r['gap']:+.2f} points at "
+            + (f"{r['epochs']} epochs" if r["epochs"] else "the grid's length")
+            for r in tested
+            if (r["params"] or 0) == largest
+        )
+        model = next(r["model"] for r in tested if (r["params"] or 0) == largest)
+        text += f" Now, on {model}: GEP - the better of GP and Opacus = {gaps} (test)."
     return text
 
 
@@ -137,24 +145,9 @@ def seed_spread(tunes: list[dict]) -> list[tuple[dict, list[float]]]:
     return [(first, list(acc.values())) for first, acc in groups.values() if len(acc) > 1]
 
 
-def sweep_rows(records: list[dict]) -> list[dict]:
-    """GEP against tuned DP-SGD per (target epsilon, model), the dimension sweep: for each
-    method its best seed-0 validation accuracy on the grid (no levers) and its test accuracy
-    (the last final run logged), and GEP minus the better of GP and Opacus, on the test split
-    where all three have a final run, else on validation. Only private models GEP ran on."""
-    cells: dict[tuple, dict] = {}
-    for r in records:
-        if r["method"] not in ("gep", "gp", "opacus") or r.get("lever"):
-            continue
-        cell = cells.setdefault(
-            (r["epsilon"], r.get("params") or 0, model_text(r)),
-            {"epsilon": r["epsilon"], "model": model_text(r), "params": r.get("params")},
-        )
-        if r["stage"] == "final":
-            cell[f"{r['method']}_test"] = r["accuracy"]
-        elif r.get("seed", 0) == 0:
-            key = f"{r['method']}_val"
-            cell[key] = max(cell.get(key, 0.0), r["accuracy"])
+def _gap_rows(cells: dict[tuple, dict]) -> list[dict]:
+    """Per cell, GEP minus the better of GP and Opacus on the test split where all three
+    have a final run, else on validation; cells without GEP and both baselines are left out."""
     rows = []
     for _, cell in sorted(cells.items()):
         for split in ("test", "val"):
@@ -166,6 +159,59 @@ def sweep_rows(records: list[dict]) -> list[dict]:
                 rows.append({**cell, "split": split, "gap": gep - max(dpsgd)})
                 break
     return rows
+
+
+def sweep_rows(records: list[dict]) -> list[dict]:
+    """GEP against tuned DP-SGD per (target epsilon, model), the dimension sweep: for each
+    method its best seed-0 validation accuracy on the grid (no levers) and its test accuracy
+    (the last final run logged at the grid's length), and GEP minus the better of GP and
+    Opacus (``_gap_rows``). Only private models GEP ran on; runs retrained at another length
+    are ``full_length_rows``."""
+    cells: dict[tuple, dict] = {}
+    for r in records:
+        if r["method"] not in ("gep", "gp", "opacus") or r.get("lever"):
+            continue
+        if r.get("tuned_epochs") is not None:
+            continue
+        cell = cells.setdefault(
+            (r["epsilon"], r.get("params") or 0, model_text(r)),
+            {
+                "epsilon": r["epsilon"],
+                "model": model_text(r),
+                "params": r.get("params"),
+                "epochs": None,
+            },
+        )
+        if r["stage"] == "final":
+            cell[f"{r['method']}_test"] = r["accuracy"]
+        elif r.get("seed", 0) == 0:
+            key = f"{r['method']}_val"
+            cell[key] = max(cell.get(key, 0.0), r["accuracy"])
+    return _gap_rows(cells)
+
+
+def full_length_rows(records: list[dict]) -> list[dict]:
+    """The validation winners retrained at another length (``standard.py --final-epochs``,
+    ``benchmarks/full_length.py``): per (target epsilon, model, epochs) each method's test
+    accuracy (the last such run logged) and GEP minus the better of GP and Opacus."""
+    cells: dict[tuple, dict] = {}
+    for r in records:
+        if r["stage"] != "final" or r.get("tuned_epochs") is None:
+            continue
+        if r["method"] not in ("gep", "gp", "opacus"):
+            continue
+        epochs = r["setting"]["epochs"]
+        cell = cells.setdefault(
+            (r["epsilon"], r.get("params") or 0, model_text(r), epochs),
+            {
+                "epsilon": r["epsilon"],
+                "model": model_text(r),
+                "params": r.get("params"),
+                "epochs": epochs,
+            },
+        )
+        cell[f"{r['method']}_test"] = r["accuracy"]
+    return _gap_rows(cells)
 
 
 def write_sweep_plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -248,7 +294,8 @@ def write_table(
         "delta = 1e-5; epsilon reported under RDP and PLD. " + anchor_text + "once (no "
         "parameters, no data statistics: no privacy cost), per-example GroupNorm "
         "(no statistics across examples). Seconds are wall / CPU seconds on a shared 2-core "
-        f"machine, {threads_text(records)}. {goal_text(dataset, records, goal)}",
+        f"machine, {threads_text(records)}, unless a run names another device. "
+        + goal_text(dataset, records, goal),
         "",
         "## Test accuracy (chosen on validation, tested once)",
         "",
@@ -341,6 +388,34 @@ def write_table(
             lines.append(
                 f"| {r['epsilon']:g} | {r['model']} | {pair(r, 'gep')} | {pair(r, 'gp')} | "
                 f"{pair(r, 'opacus')} | {100 * r['gap']:+.2f} ({r['split']}) |"
+            )
+    full = [r for r in finals if r.get("tuned_epochs") is not None]
+    if full:
+        lines += [
+            "",
+            "## Full length: the validation winners retrained longer",
+            "",
+            "Each method's setting chosen on validation at the grid's length, retrained for "
+            "more epochs with sigma calibrated for the new steps, tested once "
+            "(`benchmarks/full_length.py`: the methods side by side on one machine, each at "
+            "the same length).",
+            "",
+            "| method | model | epsilon target | setting | tuned at (epochs) | val acc (tuned) "
+            "| test acc | epsilon RDP / PLD | sigma | steps | wall s | device |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in full:
+            lines.append(
+                f"| {r['method']} | {model_text(r)} | {r['epsilon']} | "
+                f"{fmt_setting(r['method'], r['setting'])} | {r['tuned_epochs']} | "
+                f"{100 * r['chosen_val_accuracy']:.2f} | {100 * r['accuracy']:.2f} | "
+                f"{_eps(r, 'epsilon_rdp')} / {_eps(r, 'epsilon_pld')} | {r['sigma']:.3f} | "
+                f"{r['steps']} | {r['seconds']:.0f} | {r.get('device', 'cpu')} |"
+            )
+        for row in full_length_rows(records):
+            lines.append(
+                f"\nAt {row['epochs']} epochs, {row['model']}, epsilon {row['epsilon']:g}: GEP - "
+                f"the better of GP and Opacus = {100 * row['gap']:+.2f} points (test)."
             )
     spread = seed_spread(tunes)
     if spread:

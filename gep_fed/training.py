@@ -131,7 +131,9 @@ def train_nonprivate(
     generator: torch.Generator | None = None,
     evaluate_fn: Callable[[nn.Module], dict] | None = None,
 ) -> TrainResult:
-    """``steps`` ordinary minibatch SGD steps on shuffled batches (no privacy)."""
+    """``steps`` ordinary minibatch SGD steps on shuffled batches (no privacy), each copied to
+    the model's device."""
+    device = next(model.parameters()).device
     opt, sched = optimizer.make(model, steps)
     order = torch.randperm(len(x), generator=generator)
     pos = 0
@@ -141,7 +143,7 @@ def train_nonprivate(
         idx = order[pos : pos + batch_size]
         pos += batch_size
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        F.cross_entropy(model(x[idx].to(device)), y[idx].to(device)).backward()
         opt.step()
         sched.step()
     final = evaluate_fn(model) if evaluate_fn else {}

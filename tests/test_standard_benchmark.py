@@ -224,3 +224,97 @@ def test_the_sweep_compares_gep_with_the_better_dp_sgd_on_test_where_all_three_w
         ("scatter+cnn-w2 (150,000)", "val", 2.0),
     ]
     assert rows[0]["gep_val"] == 0.52 and rows[0]["gp_val"] == 0.49
+
+
+def _final(method, acc, head="resnet20", params=272_474, epochs=15, tuned_epochs=None):
+    record = {
+        "method": method,
+        "stage": "final",
+        "features": "raw",
+        "head": head,
+        "params": params,
+        "epsilon": 8.0,
+        "seed": 0,
+        "accuracy": acc,
+        "setting": {"epochs": epochs},
+    }
+    return record if tuned_epochs is None else {**record, "tuned_epochs": tuned_epochs}
+
+
+def test_a_final_retrained_longer_is_compared_at_its_own_length_not_in_the_sweep():
+    import standard_table
+
+    records = [
+        *(_final(m, a) for m, a in (("gep", 0.46), ("gp", 0.48), ("opacus", 0.45))),
+        *(_final(m, a, epochs=200, tuned_epochs=15) for m, a in (("gep", 0.62), ("gp", 0.58))),
+        _final("opacus", 0.57, epochs=200, tuned_epochs=15),
+    ]
+    sweep = standard_table.sweep_rows(records)
+    assert [(r["split"], round(100 * r["gap"], 2)) for r in sweep] == [("test", -2.0)]
+    full = standard_table.full_length_rows(records)
+    assert [(r["epochs"], round(100 * r["gap"], 2)) for r in full] == [(200, 4.0)]
+
+
+def test_the_goal_compares_gep_with_dp_sgd_on_the_same_model():
+    import standard_table
+
+    # GEP's last final is a ResNet, Opacus's a linear head: no cross-model difference
+    records = [
+        *(_final(m, a, "linear", 155_530) for m, a in (("gep", 0.62), ("gp", 0.62))),
+        _final("opacus", 0.617, "linear", 155_530),
+        *(_final(m, a) for m, a in (("gep", 0.46), ("gp", 0.48))),
+    ]
+    text = standard_table.goal_text("cifar10", records, (8.0, None))
+    assert "raw+linear (155,530)" in text and "+0.00 points at the grid's length" in text
+    records.append(_final("opacus", 0.45))
+    text = standard_table.goal_text("cifar10", records, (8.0, None))
+    assert "raw+resnet20 (272,474)" in text and "-2.00 points" in text
+
+
+def test_final_epochs_needs_the_final_stage():
+    with pytest.raises(SystemExit, match="--final-epochs"):
+        standard.parse_args(["--dataset", "cifar10", "--stage", "tune", "--final-epochs", "200"])
+    args = standard.parse_args(["--dataset", "cifar10", "--stage", "final", "--final-epochs", "9"])
+    assert args.final_epochs == 9
+
+
+def test_the_full_length_is_the_longest_that_fits_the_slowest_method():
+    import full_length
+
+    pace = {"gep": 4.0, "gp": 2.0}  # seconds per epoch, side by side
+    spare = full_length.OVERHEAD_S
+    assert full_length.choose_epochs(200, pace, spare + 1000 * full_length.MARGIN * 4) == 200
+    assert full_length.choose_epochs(200, pace, spare + 50.5 * full_length.MARGIN * 4) == 50
+    assert full_length.choose_epochs(200, pace, spare) == 0
+
+
+def test_the_device_pack_rebuilds_the_cifar_batches_byte_for_byte(tmp_path):
+    import device_data
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    (data / device_data.CIFAR).mkdir(parents=True)
+    for b in device_data.BATCHES:
+        records = rng.integers(0, 256, (200, device_data.RECORD), dtype=np.uint8)
+        records[:, 0] %= 10
+        (data / device_data.CIFAR / f"data_batch_{b}.bin").write_bytes(records.tobytes())
+    (data / device_data.TINY).parent.mkdir(parents=True)
+    x = rng.integers(0, 256, (300, 32, 32, 3), dtype=np.uint8)
+    np.savez(data / device_data.TINY, x=x, y=rng.integers(0, 200, 300).astype(np.int16))
+
+    device_data.pack(data, tmp_path / "pack", num_public=50)
+    device_data.unpack(tmp_path / "pack", tmp_path / "rebuilt")
+    for b in device_data.BATCHES:
+        name = device_data.CIFAR / f"data_batch_{b}.bin"
+        assert (tmp_path / "rebuilt" / name).read_bytes() == (data / name).read_bytes()
+    with np.load(tmp_path / "rebuilt" / device_data.TINY) as rebuilt:
+        keep = device_data.anchor_order(50, 300)
+        assert np.array_equal(rebuilt["x"][keep], x[keep])
+        assert not np.delete(rebuilt["x"], keep, axis=0).any()  # only the anchors travel
+
+    # a pack whose batch no longer matches its recorded MD5 is refused
+    manifest = tmp_path / "pack" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"1": "', '"1": "0'))
+    with pytest.raises(SystemExit, match="batch 1"):
+        device_data.unpack(tmp_path / "pack", tmp_path / "again")
