@@ -353,11 +353,35 @@ def opacus_loader(x, y, batches: int, seed: int) -> torch.utils.data.DataLoader:
     )
 
 
-def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_physical):
+class StepClock:
+    """When each step of a run ended (the GPU synchronised first): its pace, as the first
+    step (the device's warm-up; GEP's first subspace) and the mean of the later ones."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.start = time.perf_counter()
+        self.ends: list[float] = []
+
+    def tick(self, *_) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ends.append(time.perf_counter())
+
+    def pace(self) -> dict:
+        if not self.ends:
+            return {}
+        first = self.ends[0] - self.start
+        later = (self.ends[-1] - self.ends[0]) / max(1, len(self.ends) - 1)
+        return {"first_step_seconds": first, "later_step_seconds": later if later else first}
+
+
+def train_opacus_poisson(
+    model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_physical, on_step=None
+):
     """DP-SGD with Opacus' PrivacyEngine at a given sigma: its DPDataLoader (Poisson sampling
     at 1 / len(loader) = q), per-sample gradients by its hooks, physical batches of at most
-    ``max_physical`` (BatchMemoryManager), each copied to the model's device. Returns
-    (model, Opacus' own RDP epsilon)."""
+    ``max_physical`` (BatchMemoryManager), each copied to the model's device; ``on_step()``
+    after each step. Returns (model, Opacus' own RDP epsilon)."""
     from opacus import PrivacyEngine
     from opacus.utils.batch_memory_manager import BatchMemoryManager
 
@@ -391,6 +415,8 @@ def train_opacus_poisson(model, x, y, sigma, clip, q, steps, opt_cfg, seed, max_
                 if not opt._is_last_step_skipped:
                     lr_schedule.step()
                     done += 1
+                    if on_step is not None:
+                        on_step()
                     if done == steps:
                         break
     if abs(engine.accountant.history[-1][1] - q) > 1e-12:
@@ -484,9 +510,20 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
             tan=tan,
             target={"sigma": sigma_target, "q": q, "expected_batch": q * n},
         )
+        clock = StepClock(args.device)
         if method == "opacus":
             model, rec["epsilon_opacus_rdp"] = train_opacus_poisson(
-                model, x, y, sigma, setting["clip"], q_run, steps, opt, args.seed, args.max_chunk
+                model,
+                x,
+                y,
+                sigma,
+                setting["clip"],
+                q_run,
+                steps,
+                opt,
+                args.seed,
+                args.max_chunk,
+                clock.tick,
             )
             accuracy = evaluate(model, eval_xy, "multiclass")["accuracy"]
         else:
@@ -524,9 +561,11 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
                 average_iterates=setting.get("ema"),
                 evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
+                on_step=clock.tick,
             )
             accuracy, ledger = result.accuracy, result.ledger
             rec["ledger_epsilon_rdp"] = ledger.epsilon()
+        rec.update(clock.pace())
         rec["epsilon_rdp"], rec["epsilon_pld"] = epsilons(mech, sigma, q_run, steps, count_run)
         if tan != 1:
             rec["target"]["epsilon_rdp"], rec["target"]["epsilon_pld"] = epsilons(

@@ -286,6 +286,9 @@ def test_the_full_length_is_the_longest_that_fits_the_slowest_method():
     assert full_length.choose_epochs(200, pace, spare + 1000 * full_length.MARGIN * 4) == 200
     assert full_length.choose_epochs(200, pace, spare + 50.5 * full_length.MARGIN * 4) == 50
     assert full_length.choose_epochs(200, pace, spare) == 0
+    # one epoch of 20 steps: 19 at the later steps' pace, one at the first's (a subspace)
+    timed = {"steps": 20, "first_step_seconds": 3.0, "later_step_seconds": 0.5, "seconds": 99}
+    assert full_length.epoch_seconds(timed) == 19 * 0.5 + 3.0
 
 
 def test_the_device_pack_rebuilds_the_cifar_batches_byte_for_byte(tmp_path):

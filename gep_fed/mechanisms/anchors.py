@@ -96,7 +96,7 @@ class _AnchorGradients:
 def infer_num_classes(model: nn.Module, example: torch.Tensor) -> int:
     """The width of the model's output for one example (for drawing random labels)."""
     with torch.no_grad():
-        out = model(example[:1])
+        out = model(example[:1].to(next(model.parameters()).device))
     if out.ndim != 2:
         raise ValueError(
             f"the model's output for one example has shape {tuple(out.shape)}; random anchor "

@@ -339,11 +339,13 @@ def factor_shapes(
 
 
 def _forward_with_hooks(model, example, layers, make_hook) -> None:
-    """One forward pass without gradients with ``make_hook(layer)`` on each of ``layers``."""
+    """One forward pass without gradients with ``make_hook(layer)`` on each of ``layers``, on
+    the model's device."""
+    device = next(model.parameters()).device
     handles = [layer.module.register_forward_hook(make_hook(layer)) for layer in layers]
     try:
         with torch.no_grad():
-            model(example)
+            model(example.to(device))
     finally:
         for h in handles:
             h.remove()

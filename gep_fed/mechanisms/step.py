@@ -342,14 +342,17 @@ def clipped_sums_of_batches(
     if factoring and mechanism.uses_subspace and subspace is not None:
         factored = subspace.factored_weights  # embedded by Gram products
     for inputs, targets, *valid in batches:
+        # once, here: the planning passes below run the model on them too
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         if factoring and not mechanism.uses_subspace and inputs.shape[0]:
             factored = planned_ghost_weights(model, inputs, layout)  # GP: ghost norms
         if factored and inputs.shape[0]:
             sums = _factored_sums(
                 model,
                 loss_fn,
-                inputs.to(device),
-                targets.to(device),
+                inputs,
+                targets,
                 valid,
                 layout,
                 mechanism,
@@ -360,15 +363,7 @@ def clipped_sums_of_batches(
             if sums is not None:
                 total = sums if total is None else total + sums
                 continue
-        grads = per_example_gradients(
-            model,
-            loss_fn,
-            inputs.to(device, non_blocking=True),
-            targets.to(device, non_blocking=True),
-            layout,
-            max_chunk,
-            engine,
-        )
+        grads = per_example_gradients(model, loss_fn, inputs, targets, layout, max_chunk, engine)
         if valid:
             invalid = ~valid[0].to(device=device, dtype=torch.bool)
             grads = grads.masked_fill(invalid[:, None], float("nan"))
