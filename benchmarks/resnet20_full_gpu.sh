@@ -7,7 +7,8 @@
 # not beside the checkout; packages missing there come as wheels in .whl. Results land in $OUT
 # (default /tmp/resnet20_full): full_length.jsonl (append to
 # benchmarks/results/standard/cifar10.jsonl to tabulate), summary.json and a log per method.
-#   bash benchmarks/resnet20_full_gpu.sh [MINUTES]   (default 8)
+#   bash benchmarks/resnet20_full_gpu.sh [MINUTES] [EPOCHS]   (default 8, 200; with EPOCHS
+#   given, the one-epoch timing is skipped and EPOCHS run at once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -27,6 +28,6 @@ if [ ! -d "$data/cifar10" ] && [ -d .device-data ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
-"$python" benchmarks/full_length.py --device cuda --minutes "${1:-8}" --epochs 200 \
-  --threads 4 --out "$out" -- --dataset cifar10 --features raw --grid resnet --epsilon 8 \
+"$python" benchmarks/full_length.py --device cuda --minutes "${1:-8}" --epochs "${2:-200}" \
+  ${2:+--no-timing} --threads 4 --out "$out" -- --dataset cifar10 --features raw --grid resnet --epsilon 8 \
   --tan 8 --data-dir "$data"
