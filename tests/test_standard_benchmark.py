@@ -321,3 +321,32 @@ def test_the_device_pack_rebuilds_the_cifar_batches_byte_for_byte(tmp_path):
     manifest.write_text(manifest.read_text().replace('"1": "', '"1": "0'))
     with pytest.raises(SystemExit, match="batch 1"):
         device_data.unpack(tmp_path / "pack", tmp_path / "again")
+
+
+def test_the_capture_diagnostic_measures_the_subspace_and_the_clips_it_reports():
+    import subspace_capture
+    import torch
+
+    from gep_fed import GEPConfig, GEPStep, PrivacyContract
+    from gep_fed.data.models import MnistCNN
+    from gep_fed.mechanisms.per_example import per_example_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 1, 28, 28, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    contract = PrivacyContract("gep", 1.0, 0.5, clip_embedding=1.0, clip_residual=0.5)
+    step = GEPStep(
+        MnistCNN(),
+        torch.randn(32, 1, 28, 28, generator=gen),
+        GEPConfig(contract, num_basis=8, num_anchors=32),
+        dataset_size=16,
+        generator=gen,
+    )
+    step.refresh_subspace()
+    grads = per_example_gradients(step.model, step.loss_fn, x, y, step.layout, 16, "layers")
+    stats = subspace_capture.probe_stats(step, x, y, s1=1e9, s2=1e9)
+    assert stats["projection_error"] == pytest.approx(step.subspace.projection_error(grads))
+    assert 0 < stats["projection_error"] < 1
+    assert stats["embedding_clipped"] == stats["residual_clipped"] == 0.0
+    tight = subspace_capture.probe_stats(step, x, y, s1=1e-9, s2=1e-9)
+    assert tight["embedding_clipped"] == tight["residual_clipped"] == 1.0
