@@ -52,8 +52,7 @@ def launch(method: str, epochs: int, log_copy: Path, work: Path, args, extra: li
         str(HERE / "standard.py"),
         "--methods",
         method,
-        "--stage",
-        "final",
+        *stage_args(args),
         "--final-epochs",
         str(epochs),
         "--device",
@@ -68,6 +67,14 @@ def launch(method: str, epochs: int, log_copy: Path, work: Path, args, extra: li
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), folder, log
+
+
+def stage_args(args) -> list[str]:
+    """The validation winner of the grid, or with ``--levers`` the winner of the grid plus
+    those levers (a method whose levers did not beat its grid on validation gets no run)."""
+    if args.levers is None:
+        return ["--stage", "final"]
+    return ["--stage", "levers", "--levers", *args.levers, "--lever-final"]
 
 
 def new_records(folder: Path, log_name: str, known: set[str]) -> list[dict]:
@@ -124,6 +131,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="run --epochs at once, without the one-epoch runs (the pace is known from an "
         "earlier run); runs are still stopped at the deadline",
+    )
+    ap.add_argument(
+        "--levers",
+        nargs="+",
+        default=None,
+        metavar="KNOB",
+        help="retrain each method's validation winner among its grid plus these levers "
+        "(standard.py --stage levers --levers KNOB --lever-final), e.g. warm",
     )
     ap.add_argument("--log", type=Path, default=None, help="the log holding the tuning runs")
     ap.add_argument("--out", type=Path, required=True, help="the results and the runs' output")

@@ -7,27 +7,29 @@
 # not beside the checkout; packages missing there come as wheels in .whl. Results land in $OUT
 # (default /tmp/resnet20_full): full_length.jsonl (append to
 # benchmarks/results/standard/cifar10.jsonl to tabulate), summary.json and a log per method.
-#   bash benchmarks/resnet20_full_gpu.sh [MINUTES] [EPOCHS]   (default 8, 200; with EPOCHS
-#   given, the one-epoch timing is skipped and EPOCHS run at once)
+#   bash benchmarks/resnet20_full_gpu.sh [MINUTES] [EPOCHS...]
+# MINUTES defaults to 8. Without EPOCHS, a one-epoch timing chooses the length (up to 200);
+# with EPOCHS, each length runs at once, all lengths side by side, each in $OUT/e<EPOCHS>.
+# From the environment: METHODS (default "gep gp opacus"), and LEVERS (e.g. "warm": each
+# method's validation winner among its grid plus those levers; a method whose levers lost to
+# its grid on validation gets no run). Carry .whl, .device-data and, for warm starts, .warm-cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-python=${PYTHON:-python3}
-out=${OUT:-/tmp/resnet20_full}
-mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+source benchmarks/device_setup.sh /tmp/resnet20_full
+common=(--device cuda --minutes "${1:-8}" --threads 4 --methods ${METHODS:-gep gp opacus}
+  ${LEVERS:+--levers $LEVERS})
+standard=(-- --dataset cifar10 --features raw --grid resnet --epsilon 8 --tan 8 --data-dir "$data"
+  "${warm_cache[@]}")
+if [ $# -le 1 ]; then
+  exec "$python" benchmarks/full_length.py "${common[@]}" --epochs 200 --out "$out" "${standard[@]}"
 fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-data=../shared/data
-if [ ! -d "$data/cifar10" ] && [ -d .device-data ]; then
-  data=/tmp/gep-fed-data
-  "$python" benchmarks/device_data.py unpack .device-data "$data"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$python" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
-"$python" benchmarks/full_length.py --device cuda --minutes "${1:-8}" --epochs "${2:-200}" \
-  ${2:+--no-timing} --threads 4 --out "$out" -- --dataset cifar10 --features raw --grid resnet --epsilon 8 \
-  --tan 8 --data-dir "$data"
+pids=()
+for epochs in "${@:2}"; do
+  "$python" benchmarks/full_length.py "${common[@]}" --epochs "$epochs" --no-timing \
+    --out "$out/e$epochs" "${standard[@]}" >"$out/e$epochs.out" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+tail -n 30 "$out"/e*.out
+exit $rc

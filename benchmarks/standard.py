@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -428,29 +430,77 @@ def train_opacus_poisson(
 # One run
 
 
-def warm_start(args, model: torch.nn.Module, data: Data, setting: dict, seed: int) -> None:
+# A public warm start depends on public data alone: it is computed once per model, lever and
+# count, from the model as a seed-0 run initialises it, and shared by every seed of the private
+# training (whose spread the seeds then measure) and kept under --warm-cache.
+WARM_SEED = 0
+
+
+def warm_start(args, model: torch.nn.Module, data: Data, setting: dict) -> None:
     """Lever 1: pre-train for ``setting["warm"]`` epochs on public images with their own labels
     (no private data, no privacy cost) before private training: the held anchors, or the
-    first ``setting["warm_public"]`` of the public pool (a superset of them). KMNIST's 10
-    classes train the model itself; Tiny-ImageNet's 200 train a 200-way twin, whose tensors
-    of the model's shapes (all but the classifier) then replace the model's."""
-    x, y = data.public_images(setting.get("warm_public", args.num_public))
+    first ``setting["warm_public"]`` of the public pool (a superset of them). The model's
+    weights are replaced by the warm-started ones (``public_warm_start``), kept for reuse."""
+    count = setting.get("warm_public", args.num_public)
+    cached = warm_cache_path(args, data, setting["warm"], count)
+    if cached.exists():
+        print(f"warm start from {cached}", flush=True)
+    else:
+        state = public_warm_start(args, data, setting["warm"], count, cached.parent)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.partial")  # runs side by side may race
+        torch.save(state, partial)
+        partial.replace(cached)
+    model.load_state_dict(torch.load(cached, map_location="cpu", weights_only=True))
+
+
+def public_warm_start(args, data: Data, epochs: int, count: int, cache: Path) -> dict:
+    """The model initialised as a seed-0 run does, trained for ``epochs`` on the first
+    ``count`` public images: KMNIST's 10 classes train the model itself; Tiny-ImageNet's 200
+    train a 200-way twin, whose tensors of the model's shapes (all but the classifier) then
+    replace the model's."""
+    x, y = data.public_images(count)
+    flat = x.flatten(1)
+    blank = int((flat.amax(1) == flat.amin(1)).sum())
+    if blank:
+        raise SystemExit(
+            f"warm start: {blank} of the {count:,} public images are blank (one value "
+            "throughout): a data folder unpacked by device_data.py holds only the anchors. "
+            f"Compute this warm start where all the images are, and carry {cache}"
+        )
     classes = int(y.max()) + 1
-    twin = model if classes == 10 else build_model(args, data, num_classes=classes)
+    with torch.random.fork_rng():
+        torch.manual_seed(WARM_SEED)
+        model = build_model(args, data)
+        twin = model if classes == 10 else build_model(args, data, num_classes=classes)
     train_nonprivate(
         twin,
         x,
         y,
-        setting["warm"] * math.ceil(len(x) / 256),
+        epochs * math.ceil(len(x) / 256),
         256,
         OptimizerConfig(lr=0.01, momentum=0.9),
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(WARM_SEED),
     )
-    if twin is not model:
-        own = model.state_dict()
-        model.load_state_dict(
-            {k: v if v.shape == own[k].shape else own[k] for k, v in twin.state_dict().items()}
-        )
+    own = model.state_dict()
+    return {k: v if v.shape == own[k].shape else own[k] for k, v in twin.state_dict().items()}
+
+
+def warm_cache_path(args, data: Data, epochs: int, count: int) -> Path:
+    """Where a public warm start is kept, under ``--warm-cache``: it depends on public data
+    alone, so every run of the same model, count and epochs reuses it. The key holds
+    the public labels and their order, not the pixels, so that a machine holding only the
+    anchors (``device_data.py``) can use a warm start computed where all the images are."""
+    idx = data.public_order[:count]
+    h = hashlib.sha256()
+    h.update(
+        json.dumps(
+            ["warm-v1", args.dataset, args.features, model_label(args), epochs, count, WARM_SEED]
+        ).encode()
+    )
+    h.update(np.ascontiguousarray(idx).tobytes())
+    h.update(data.labels["public_pool"][torch.from_numpy(idx)].numpy().tobytes())
+    return Path(args.warm_cache) / f"{h.hexdigest()[:20]}.pt"
 
 
 def optimizer_config(setting: dict) -> OptimizerConfig:
@@ -474,7 +524,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
     model = build_model(args, data)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if setting.get("warm"):
-        warm_start(args, model, data, setting, args.seed)
+        warm_start(args, model, data, setting)
     model.to(args.device)
     opt = optimizer_config(setting)
     q, steps = schedule(n, setting["batch"], setting["epochs"])
@@ -640,6 +690,15 @@ def run_key(args, method: str, setting: dict, stage: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def final_length(args, setting: dict) -> tuple[dict, dict]:
+    """A validation winner's setting for its final run, and what the record adds: with
+    ``--final-epochs``, the same setting at another length (sigma is calibrated for the new
+    steps; the table keeps such runs apart from the grid's, by ``tuned_epochs``)."""
+    if args.final_epochs is None:
+        return setting, {}
+    return {**setting, "epochs": args.final_epochs}, {"tuned_epochs": setting["epochs"]}
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", choices=list(DATASETS), default="mnist")
@@ -695,7 +754,13 @@ def parse_args(argv=None):
         "and Fashion-MNIST, 4,000 for CIFAR-10)",
     )
     ap.add_argument("--split-seed", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="of the Poisson samples and the noise (with --stage levers, the grid's winner is "
+        "read at seed 0 and run again at this seed beside its levers)",
+    )
     ap.add_argument(
         "--max-chunk",
         type=int,
@@ -713,8 +778,9 @@ def parse_args(argv=None):
         "--final-epochs",
         type=int,
         default=None,
-        help="with --stage final: retrain each method's validation winner for this many epochs "
-        "instead of its tuned number (a full-length run; sigma is calibrated for its steps)",
+        help="with --stage final (or levers --lever-final): retrain each method's validation "
+        "winner for this many epochs instead of its tuned number (a full-length run; sigma is "
+        "calibrated for its steps)",
     )
     ap.add_argument(
         "--budget-minutes",
@@ -736,6 +802,11 @@ def parse_args(argv=None):
     ap.add_argument(
         "--out", default=str(OUT), help="folder of the log and the table (e.g. for smoke tests)"
     )
+    ap.add_argument(
+        "--warm-cache",
+        default=str(scatter_cache_dir().parent / "warm"),
+        help="public warm starts, kept for reuse (public data only: no privacy cost)",
+    )
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument(
         "--levers",
@@ -743,6 +814,14 @@ def parse_args(argv=None):
         default=None,
         metavar="KNOB",
         help="with --stage levers: only the levers that set one of these knobs (e.g. warm ema)",
+    )
+    ap.add_argument(
+        "--grid-tan",
+        type=int,
+        default=None,
+        metavar="R",
+        help="with --stage levers: the TAN the grid was tuned at (default --tan); at another "
+        "--tan the grid's winner and its levers run at that TAN (--tan 1: the real batch)",
     )
     ap.add_argument(
         "--lever-final",
@@ -755,9 +834,19 @@ def parse_args(argv=None):
         args.epsilon = GOALS[args.dataset][0]
     if args.val_size is None:
         args.val_size = DATASETS[args.dataset]["val_size"]
-    if args.final_epochs is not None and (args.final_epochs < 1 or args.stage != "final"):
+    if args.grid_tan is None:
+        args.grid_tan = args.tan
+    if args.lever_final and (args.seed, args.tan) != (0, args.grid_tan):
         raise SystemExit(
-            f"--final-epochs {args.final_epochs}: a number of epochs >= 1, with --stage final"
+            f"--lever-final with --seed {args.seed} --tan {args.tan}: levers are chosen at seed "
+            f"0 and TAN {args.grid_tan}, where the grid was tuned; other seeds measure their "
+            "spread, another TAN whether the tuning scale holds"
+        )
+    final = args.stage == "final" or (args.stage == "levers" and args.lever_final)
+    if args.final_epochs is not None and (args.final_epochs < 1 or not final):
+        raise SystemExit(
+            f"--final-epochs {args.final_epochs}: a number of epochs >= 1, with --stage final "
+            "or --stage levers --lever-final"
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: PyTorch sees no CUDA device here")
@@ -833,6 +922,7 @@ def main(argv=None) -> int:
         write_table(args.dataset, out_dir)
         return rec
 
+    levers_stage = args.stage == "levers"
     for method in args.methods:
         grid = grids[method]
         chosen = [(i, s) for i, s in enumerate(grid) if args.only is None or i in args.only]
@@ -840,7 +930,14 @@ def main(argv=None) -> int:
         if args.stage in ("tune", "all"):
             tuned = [run(method, s, "tune") for _, s in chosen]
         else:
-            keys = [run_key(args, method, s, "tune") for s in grid]
+            # levers stand on the grid as tuned (seed 0, TAN --grid-tan); at another seed or
+            # TAN its winner runs again beside them
+            grid_args = (
+                argparse.Namespace(**{**vars(args), "seed": 0, "tan": args.grid_tan})
+                if levers_stage
+                else args
+            )
+            keys = [run_key(grid_args, method, s, "tune") for s in grid]
             tuned = [done[k] for k in keys if k in done]
         tuned = [r for r in tuned if r is not None]
         if args.stage in ("final", "all", "levers"):
@@ -853,7 +950,9 @@ def main(argv=None) -> int:
                 )
                 continue
             best = max(tuned, key=lambda r: r["accuracy"])
-            if args.stage == "levers":
+            if levers_stage:
+                if (args.seed, args.tan) != (0, args.grid_tan):  # the base, beside its levers
+                    run(method, best["setting"], "tune", {"beside_levers": True})
                 tried = [
                     run(
                         method,
@@ -868,22 +967,25 @@ def main(argv=None) -> int:
                 winner = max(tried, key=lambda r: r["accuracy"], default=None)
                 if args.lever_final and winner and winner["accuracy"] > best["accuracy"]:
                     # the grid plus its levers, chosen on validation, tested once
+                    setting, extra = final_length(args, winner["setting"])
                     run(
                         method,
-                        winner["setting"],
+                        setting,
                         "final",
                         {
                             "chosen_val_accuracy": winner["accuracy"],
                             "tuned_runs": len(tuned) + len(tried),
                             "lever": winner["lever"],
+                            **extra,
                         },
                     )
+                elif args.lever_final:
+                    print(
+                        f"{method}: no lever beat the grid on validation; no lever final",
+                        flush=True,
+                    )
                 continue
-            setting, extra = best["setting"], {}
-            if args.final_epochs is not None:
-                # the winner's setting at another length; the table keeps such runs apart
-                setting = {**setting, "epochs": args.final_epochs}
-                extra = {"tuned_epochs": best["setting"]["epochs"]}
+            setting, extra = final_length(args, best["setting"])
             run(
                 method,
                 setting,

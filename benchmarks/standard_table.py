@@ -47,6 +47,8 @@ PUBLISHED["cifar10"] = [
     ("ResNet20-GN, GP (DP-SGD)", 8.0, 56.4, GEP_PAPER),
     ("ResNet20-GN, GEP", 8.0, 74.9, GEP_PAPER),
 ]
+# the methods of a "GEP - DP-SGD" comparison: GEP against the better of the two DP-SGDs
+GAP_METHODS = ("gep", "gp", "opacus")
 GOAL_TEXT = {"cifar10": "GEP at least 5 points above tuned DP-SGD (Opacus) at epsilon 8"}
 
 
@@ -106,6 +108,29 @@ ANCHOR_TEXT = {
 }
 
 
+def lever_rows(records: list[dict]) -> list[dict]:
+    """Finals with the levers that beat a method's grid on validation (``standard.py --stage
+    levers --lever-final``), per (target epsilon, model, epochs): GEP minus the better of GP
+    and Opacus, each method with its lever final where it has one there, else its grid's
+    winner at that length. Only cells holding a lever final."""
+    cells: dict[tuple, dict] = {}
+    finals = [r for r in records if r["stage"] == "final" and r["method"] in GAP_METHODS]
+    for r in sorted(finals, key=lambda r: bool(r.get("lever"))):  # a lever final wins its cell
+        cell = _cell(cells, r, r["setting"]["epochs"], levers={})
+        cell[f"{r['method']}_test"] = r["accuracy"]
+        if r.get("lever"):
+            cell["levers"][r["method"]] = r["lever"]
+    return _gap_rows({key: cell for key, cell in cells.items() if cell["levers"]})
+
+
+def levers_text(levers: dict[str, dict]) -> str:
+    """``gep: warm=10, warm_public=10000``: each method's levers in a lever row."""
+    return "; ".join(
+        f"{method}: " + ", ".join(f"{k}={v:g}" for k, v in lever.items())
+        for method, lever in levers.items()
+    )
+
+
 def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None]) -> str:
     goal_eps, goal_acc = goal
     if goal_acc is not None:
@@ -114,7 +139,7 @@ def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None
     # the largest model all three methods were tested on at the goal's epsilon
     tested = [
         r
-        for r in sweep_rows(records) + full_length_rows(records)
+        for r in sweep_rows(records) + full_length_rows(records) + lever_rows(records)
         if r["epsilon"] == goal_eps and r["split"] == "test"
     ]
     if tested:
@@ -122,6 +147,7 @@ def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None
         gaps = ", ".join(
             f"{100 * r['gap']:+.2f} points at "
             + (f"{r['epochs']} epochs" if r["epochs"] else "the grid's length")
+            + (f" (with levers: {levers_text(r['levers'])})" if r.get("levers") else "")
             for r in tested
             if (r["params"] or 0) == largest
         )
@@ -143,6 +169,20 @@ def seed_spread(tunes: list[dict]) -> list[tuple[dict, list[float]]]:
         by_seed = groups.setdefault(key, (r, {}))[1]
         by_seed[r.get("seed", 0)] = r["accuracy"]
     return [(first, list(acc.values())) for first, acc in groups.values() if len(acc) > 1]
+
+
+def _cell(cells: dict[tuple, dict], r: dict, epochs: int | None, **more) -> dict:
+    """The comparison cell of ``r``'s target epsilon, model and length (None: the grid's)."""
+    return cells.setdefault(
+        (r["epsilon"], r.get("params") or 0, model_text(r), epochs),
+        {
+            "epsilon": r["epsilon"],
+            "model": model_text(r),
+            "params": r.get("params"),
+            "epochs": epochs,
+            **more,
+        },
+    )
 
 
 def _gap_rows(cells: dict[tuple, dict]) -> list[dict]:
@@ -169,19 +209,11 @@ def sweep_rows(records: list[dict]) -> list[dict]:
     are ``full_length_rows``."""
     cells: dict[tuple, dict] = {}
     for r in records:
-        if r["method"] not in ("gep", "gp", "opacus") or r.get("lever"):
+        if r["method"] not in GAP_METHODS or r.get("lever") or r.get("beside_levers"):
             continue
         if r.get("tuned_epochs") is not None:
             continue
-        cell = cells.setdefault(
-            (r["epsilon"], r.get("params") or 0, model_text(r)),
-            {
-                "epsilon": r["epsilon"],
-                "model": model_text(r),
-                "params": r.get("params"),
-                "epochs": None,
-            },
-        )
+        cell = _cell(cells, r, None)
         if r["stage"] == "final":
             cell[f"{r['method']}_test"] = r["accuracy"]
         elif r.get("seed", 0) == 0:
@@ -196,21 +228,11 @@ def full_length_rows(records: list[dict]) -> list[dict]:
     accuracy (the last such run logged) and GEP minus the better of GP and Opacus."""
     cells: dict[tuple, dict] = {}
     for r in records:
-        if r["stage"] != "final" or r.get("tuned_epochs") is None:
+        if r["stage"] != "final" or r.get("tuned_epochs") is None or r.get("lever"):
             continue
-        if r["method"] not in ("gep", "gp", "opacus"):
+        if r["method"] not in GAP_METHODS:
             continue
-        epochs = r["setting"]["epochs"]
-        cell = cells.setdefault(
-            (r["epsilon"], r.get("params") or 0, model_text(r), epochs),
-            {
-                "epsilon": r["epsilon"],
-                "model": model_text(r),
-                "params": r.get("params"),
-                "epochs": epochs,
-            },
-        )
-        cell[f"{r['method']}_test"] = r["accuracy"]
+        _cell(cells, r, r["setting"]["epochs"])[f"{r['method']}_test"] = r["accuracy"]
     return _gap_rows(cells)
 
 
@@ -417,6 +439,22 @@ def write_table(
                 f"\nAt {row['epochs']} epochs, {row['model']}, epsilon {row['epsilon']:g}: GEP - "
                 f"the better of GP and Opacus = {100 * row['gap']:+.2f} points (test)."
             )
+    with_levers = lever_rows(records)
+    if with_levers:
+        lines += [
+            "",
+            "## With the levers chosen on validation",
+            "",
+            "Each method's final with the levers that beat its grid on validation, where it "
+            "has one at that length, else its grid's winner; tested once.",
+            "",
+        ]
+        for row in with_levers:
+            lines.append(
+                f"At {row['epochs']} epochs, {row['model']}, epsilon {row['epsilon']:g}, "
+                f"with levers ({levers_text(row['levers'])}): GEP - the better of GP and "
+                f"Opacus = {100 * row['gap']:+.2f} points (test).\n"
+            )
     spread = seed_spread(tunes)
     if spread:
         lines += [
@@ -442,20 +480,26 @@ def write_table(
             "",
             "## Levers (validation, on each method's best tuned setting)",
             "",
-            "| method | lever | base setting | val acc base | val acc with lever | change |",
-            "|---|---|---|---|---|---|",
+            "| method | lever | base setting | TAN R | seed | val acc base | "
+            "val acc with lever | change |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        by_key = {json.dumps(r["setting"], sort_keys=True) + r["method"]: r for r in tunes}
+
+        def run_of(r: dict, setting: dict) -> str:
+            return json.dumps([r["method"], setting, r.get("tan", 1), r.get("seed", 0)])
+
+        by_key = {run_of(r, json.dumps(r["setting"], sort_keys=True)): r for r in tunes}
         for r in levers:
             base_setting = r.get("base") or {
                 k: v for k, v in r["setting"].items() if k not in r["lever"]
             }
-            base = by_key.get(json.dumps(base_setting, sort_keys=True) + r["method"])
+            base = by_key.get(run_of(r, json.dumps(base_setting, sort_keys=True)))
             base_acc = None if base is None else base["accuracy"]
             change = "-" if base_acc is None else f"{100 * (r['accuracy'] - base_acc):+.2f}"
             lever = ", ".join(f"{k}={v:g}" for k, v in r["lever"].items())
             lines.append(
                 f"| {r['method']} | {lever} | {fmt_setting(r['method'], base_setting)} | "
+                f"{r.get('tan', 1)} | {r.get('seed', 0)} | "
                 f"{'-' if base_acc is None else f'{100 * base_acc:.2f}'} | "
                 f"{100 * r['accuracy']:.2f} | "
                 f"{change} |"

@@ -131,36 +131,78 @@ def test_opacus_runs_follow_the_settings_weight_decay_and_learning_rate_drop():
     assert decayed < dropped < plain
 
 
-def test_a_warm_start_on_200_public_classes_keeps_all_but_the_models_classifier():
+class PublicOnly:
+    """The part of ``Data`` a warm start reads: public images and labels, in their order."""
+
+    def __init__(self, blank: int = 0):
+        import numpy as np
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(40, 3, 32, 32, generator=g), torch.arange(40) % 200
+        self.x[:blank] = 0.0
+        self.y[0] = 199
+        self.public_order = np.arange(40)
+        self.labels = {"public_pool": self.y}
+        self.asked = None
+
+    def public_images(self, count):
+        self.asked = count
+        return self.x[:count], self.y[:count]
+
+
+def _warm_args(tmp_path):
+    return standard.parse_args(
+        ["--dataset", "cifar10", "--features", "raw", "--warm-cache", str(tmp_path)]
+    )
+
+
+def test_a_warm_start_on_200_public_classes_keeps_all_but_the_models_classifier(tmp_path):
     """Tiny-ImageNet's labels train a 200-way twin; the 10-way model takes every tensor but its
     classifier from it, on the public images the lever names."""
     import torch
 
-    class PublicOnly:  # the part of ``Data`` a warm start reads: public images and labels
-        def __init__(self):
-            g = torch.Generator().manual_seed(0)
-            self.x, self.y = torch.randn(40, 3, 32, 32, generator=g), torch.arange(40) % 200
-            self.y[0] = 199
-            self.asked = None
-
-        def public_images(self, count):
-            self.asked = count
-            return self.x[:count], self.y[:count]
-
-    args = standard.parse_args(["--dataset", "cifar10", "--features", "raw"])
-    data = PublicOnly()
+    args, data = _warm_args(tmp_path), PublicOnly()
     torch.manual_seed(0)
     model = standard.build_model(args, data)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    standard.warm_start(args, model, data, {"warm": 1, "warm_public": 32}, seed=0)
+    standard.warm_start(args, model, data, {"warm": 1, "warm_public": 32})
     after = model.state_dict()
     assert data.asked == 32
     assert torch.equal(after["fc.weight"], before["fc.weight"])
     assert torch.equal(after["fc.bias"], before["fc.bias"])
     assert not torch.equal(after["conv1.weight"], before["conv1.weight"])
     assert not torch.equal(after["layer3.2.conv2.weight"], before["layer3.2.conv2.weight"])
-    standard.warm_start(args, model, data, {"warm": 1}, seed=0)
+    standard.warm_start(args, model, data, {"warm": 1})
     assert data.asked == args.num_public  # without warm_public: the held anchors
+
+
+def test_a_warm_start_is_kept_and_reused_without_reading_the_public_images(tmp_path):
+    """A machine holding only the anchors (device_data.py) uses a warm start computed where
+    all the public images are; another count is another warm start."""
+    import torch
+
+    args = _warm_args(tmp_path)
+    trained = standard.build_model(args, PublicOnly())
+    standard.warm_start(args, trained, PublicOnly(), {"warm": 1, "warm_public": 32})
+    elsewhere = PublicOnly(blank=40)
+    reused = standard.build_model(args, elsewhere)
+    standard.warm_start(args, reused, elsewhere, {"warm": 1, "warm_public": 32})
+    assert elsewhere.asked is None
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(reused.state_dict()[name], tensor), name
+    # computed afresh in a run at another seed: the same warm start (its model starts as a
+    # seed-0 run's), so seeds measure the private training's spread alone
+    args_fresh = _warm_args(tmp_path / "fresh")
+    torch.manual_seed(1)
+    fresh = standard.build_model(args_fresh, PublicOnly())
+    standard.warm_start(args_fresh, fresh, PublicOnly(), {"warm": 1, "warm_public": 32})
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    with pytest.raises(SystemExit, match="30 of the 30 public images are blank"):
+        standard.warm_start(args, reused, elsewhere, {"warm": 1, "warm_public": 30})
+    with pytest.raises(SystemExit, match="20 of the 33 public images are blank"):
+        standard.warm_start(args, reused, PublicOnly(blank=20), {"warm": 1, "warm_public": 33})
 
 
 def test_the_spread_over_seeds_groups_one_setting_and_leaves_single_runs_out():
@@ -212,6 +254,7 @@ def test_the_sweep_compares_gep_with_the_better_dp_sgd_on_test_where_all_three_w
         *(rec(m, "tune", a) for m, a in (("gep", 0.50), ("gep", 0.52), ("gp", 0.49))),
         rec("opacus", "tune", 0.51),
         rec("gp", "tune", 0.60, seed=1),  # another seed: not the grid's
+        {**rec("gep", "tune", 0.90), "tan": 1, "beside_levers": True},  # a lever's base rerun
         *(rec(m, "final", a) for m, a in (("gep", 0.55), ("gp", 0.56), ("opacus", 0.53))),
         # a wider model without final runs yet: compared on validation
         *(rec(m, "tune", a, "cnn-w2", 150_000) for m, a in (("gep", 0.58), ("gp", 0.55))),
@@ -255,6 +298,30 @@ def test_a_final_retrained_longer_is_compared_at_its_own_length_not_in_the_sweep
     assert [(r["epochs"], round(100 * r["gap"], 2)) for r in full] == [(200, 4.0)]
 
 
+def test_a_lever_final_is_compared_apart_from_the_grids_at_its_own_length():
+    """GEP's warm-started finals meet GP's and Opacus's grid winners at the same length; the
+    grid-only comparisons (sweep, full length) keep GEP's grid finals."""
+    import standard_table
+
+    warm = {"warm": 10}
+    records = [
+        *(_final(m, a) for m, a in (("gep", 0.46), ("gp", 0.48), ("opacus", 0.45))),
+        {**_final("gep", 0.50), "lever": warm},
+        *(_final(m, a, epochs=56, tuned_epochs=15) for m, a in (("gep", 0.53), ("gp", 0.55))),
+        _final("opacus", 0.52, epochs=56, tuned_epochs=15),
+        {**_final("gep", 0.58, epochs=56, tuned_epochs=15), "lever": warm},
+    ]
+    gaps = [(r["epochs"], round(100 * r["gap"], 2)) for r in standard_table.sweep_rows(records)]
+    assert gaps == [(None, -2.0)]
+    full = standard_table.full_length_rows(records)
+    assert [(r["epochs"], round(100 * r["gap"], 2)) for r in full] == [(56, -2.0)]
+    levered = standard_table.lever_rows(records)
+    assert [(r["epochs"], round(100 * r["gap"], 2)) for r in levered] == [(15, 2.0), (56, 3.0)]
+    assert levered[0]["levers"] == {"gep": warm}
+    text = standard_table.goal_text("cifar10", records, (8.0, None))
+    assert "+3.00 points at 56 epochs (with levers: gep: warm=10)" in text
+
+
 def test_the_goal_compares_gep_with_dp_sgd_on_the_same_model():
     import standard_table
 
@@ -271,11 +338,15 @@ def test_the_goal_compares_gep_with_dp_sgd_on_the_same_model():
     assert "raw+resnet20 (272,474)" in text and "-2.00 points" in text
 
 
-def test_final_epochs_needs_the_final_stage():
+def test_final_epochs_needs_a_final_stage():
     with pytest.raises(SystemExit, match="--final-epochs"):
         standard.parse_args(["--dataset", "cifar10", "--stage", "tune", "--final-epochs", "200"])
+    with pytest.raises(SystemExit, match="--final-epochs"):
+        standard.parse_args(["--dataset", "cifar10", "--stage", "levers", "--final-epochs", "9"])
     args = standard.parse_args(["--dataset", "cifar10", "--stage", "final", "--final-epochs", "9"])
     assert args.final_epochs == 9
+    levers = ["--stage", "levers", "--lever-final", "--final-epochs", "56"]
+    assert standard.parse_args(["--dataset", "cifar10", *levers]).final_epochs == 56
 
 
 def test_the_full_length_is_the_longest_that_fits_the_slowest_method():
@@ -350,3 +421,47 @@ def test_the_capture_diagnostic_measures_the_subspace_and_the_clips_it_reports()
     assert stats["embedding_clipped"] == stats["residual_clipped"] == 0.0
     tight = subspace_capture.probe_stats(step, x, y, s1=1e-9, s2=1e-9)
     assert tight["embedding_clipped"] == tight["residual_clipped"] == 1.0
+
+
+def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
+    tmp_path, monkeypatch
+):
+    """The grid is tuned at seed 0; ``--stage levers --seed 1`` reads its winner there and runs
+    that winner again at seed 1 beside each lever, so the lever table compares like seeds."""
+    import json
+
+    base = ["--dataset", "cifar10", "--features", "raw", "--grid", "resnet", "--tan", "8"]
+    grid = standard.GRIDS[("raw", "resnet")]["gp"]
+    args0 = standard.parse_args(base)
+    with open(tmp_path / "cifar10.jsonl", "w") as fh:
+        for i, setting in enumerate(grid):
+            key = standard.run_key(args0, "gp", setting, "tune")
+            record = {"key": key, "setting": setting, "accuracy": 0.3 + 0.01 * i, "seed": 0}
+            fh.write(json.dumps(record) + "\n")
+    ran = []
+
+    def fake_run(args, data, method, setting, stage):
+        ran.append((method, setting, stage, args.seed))
+        acc = 0.40 if setting.get("warm") else 0.35
+        return {"accuracy": acc, "epsilon_rdp": 8.0, "epsilon_pld": 7.0, "sigma": 1.0,
+                "seconds": 1.0, "cpu_seconds": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(standard, "Data", lambda args: None)
+    monkeypatch.setattr(standard, "run_one", fake_run)
+    monkeypatch.setattr(standard, "write_table", lambda dataset, out: tmp_path / "cifar10.jsonl")
+    levers = ["--stage", "levers", "--levers", "warm", "--methods", "gp", "--out", str(tmp_path)]
+    standard.main([*base, *levers, "--seed", "1"])
+    winner = grid[-1]
+    assert ran[0] == ("gp", winner, "tune", 1)
+    assert [r[1] for r in ran[1:]] == [
+        {**winner, **lever} for lever in standard.LEVERS["gp"] if "warm" in lever
+    ]
+    assert {r[3] for r in ran} == {1}
+    with pytest.raises(SystemExit, match="--lever-final with --seed 1"):
+        standard.parse_args([*base, *levers, "--seed", "1", "--lever-final"])
+    # at the real batch (TAN 1) on the grid tuned at TAN 8: the same, at TAN 1 and seed 0
+    ran.clear()
+    standard.main([*base[:-1], "1", *levers, "--grid-tan", "8"])
+    assert ran[0] == ("gp", winner, "tune", 0) and len(ran) == 3
+    key = json.loads(standard.run_key(standard.parse_args([*base[:-1], "1"]), "gp", winner, "tune"))
+    assert key["tan"] == 1
