@@ -8,7 +8,7 @@
 # (default /tmp/resnet20_full): full_length.jsonl (append to
 # benchmarks/results/standard/cifar10.jsonl to tabulate), summary.json and a log per method.
 #   bash benchmarks/resnet20_full_gpu.sh [MINUTES] [EPOCHS...]
-# MINUTES defaults to 8. Without EPOCHS, a one-epoch timing chooses the length (up to 200);
+# MINUTES defaults to 8. Without EPOCHS, a two-epoch timing chooses the length (up to 200);
 # with EPOCHS, each length runs at once, all lengths side by side, each in $OUT/e<EPOCHS>.
 # From the environment: METHODS (default "gep gp opacus"), and LEVERS (e.g. "warm": each
 # method's validation winner among its grid plus those levers; a method whose levers lost to

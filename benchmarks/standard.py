@@ -357,10 +357,13 @@ def opacus_loader(x, y, batches: int, seed: int) -> torch.utils.data.DataLoader:
 
 class StepClock:
     """When each step of a run ended (the GPU synchronised first): its pace, as the first
-    step (the device's warm-up; GEP's first subspace) and the mean of the later ones."""
+    step (the device's warm-up; GEP's first subspace), the mean of the later ones, and, once a
+    run has more than one epoch, its last epoch (one subspace refresh a epoch in these grids,
+    no warm-up): the pace ``full_length.py`` plans with."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, steps_per_epoch: int) -> None:
         self.device = torch.device(device)
+        self.steps_per_epoch = steps_per_epoch
         self.start = time.perf_counter()
         self.ends: list[float] = []
 
@@ -374,7 +377,10 @@ class StepClock:
             return {}
         first = self.ends[0] - self.start
         later = (self.ends[-1] - self.ends[0]) / max(1, len(self.ends) - 1)
-        return {"first_step_seconds": first, "later_step_seconds": later if later else first}
+        pace = {"first_step_seconds": first, "later_step_seconds": later if later else first}
+        if len(self.ends) > self.steps_per_epoch:
+            pace["last_epoch_seconds"] = self.ends[-1] - self.ends[-1 - self.steps_per_epoch]
+        return pace
 
 
 def train_opacus_poisson(
@@ -560,7 +566,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
             tan=tan,
             target={"sigma": sigma_target, "q": q, "expected_batch": q * n},
         )
-        clock = StepClock(args.device)
+        clock = StepClock(args.device, steps // setting["epochs"])
         if method == "opacus":
             model, rec["epsilon_opacus_rdp"] = train_opacus_poisson(
                 model,

@@ -357,9 +357,22 @@ def test_the_full_length_is_the_longest_that_fits_the_slowest_method():
     assert full_length.choose_epochs(200, pace, spare + 1000 * full_length.MARGIN * 4) == 200
     assert full_length.choose_epochs(200, pace, spare + 50.5 * full_length.MARGIN * 4) == 50
     assert full_length.choose_epochs(200, pace, spare) == 0
-    # one epoch of 20 steps: 19 at the later steps' pace, one at the first's (a subspace)
-    timed = {"steps": 20, "first_step_seconds": 3.0, "later_step_seconds": 0.5, "seconds": 99}
-    assert full_length.epoch_seconds(timed) == 19 * 0.5 + 3.0
+    # two epochs: the second is the pace, without the first step's warm-up
+    timed = {"steps": 40, "first_step_seconds": 6.0, "later_step_seconds": 0.2, "seconds": 99}
+    assert full_length.epoch_seconds({**timed, "last_epoch_seconds": 3.5}) == 3.5
+    # a record of one epoch of 20 steps: 19 at the later steps' pace, one at the first's
+    assert full_length.epoch_seconds({**timed, "steps": 20}) == 19 * 0.2 + 6.0
+
+
+def test_the_step_clock_gives_the_last_epochs_seconds_without_the_warm_up():
+    clock = standard.StepClock("cpu", steps_per_epoch=3)
+    clock.start = 0.0
+    clock.ends = [5.0, 6.0, 7.0]  # one epoch: the first step is the warm-up
+    assert "last_epoch_seconds" not in clock.pace()
+    clock.ends += [9.0, 10.0, 11.0]  # the second epoch begins with a 2 s refresh
+    pace = clock.pace()
+    assert pace["last_epoch_seconds"] == 11.0 - 7.0
+    assert pace["first_step_seconds"] == 5.0 and pace["later_step_seconds"] == 6.0 / 5
 
 
 def test_the_device_pack_rebuilds_the_cifar_batches_byte_for_byte(tmp_path):
