@@ -90,7 +90,7 @@ def table(rows: list[dict]) -> str:
     lines = [
         "# Noise placements at growing federation sizes",
         "",
-        "Each row: one Flower simulation of the task's recommended settings, GEP, modes at "
+        "Each row: one Flower simulation of the task's recommended settings, modes at "
         "equal private steps per party (central and distributed: one step per round; client: "
         "`local-steps` per round). Megabytes per round per site count every message's arrays "
         "and byte strings, both ways (`gep_fed.flower.strategy.MeteredGrid`). Seeds fixed "
@@ -104,22 +104,30 @@ def table(rows: list[dict]) -> str:
         "each site one basis more (the server computes a fresh subspace at the first round "
         "after the resume), so it meters more bytes per round than an uninterrupted run.",
         "",
-        "| task | sites | partition | epsilon | mode | sigma | test accuracy | epsilon spent | "
-        "rounds applied | s/round | MB/round/site | quantised d |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| task | mechanism | sites | partition | epsilon | mode | sigma | test accuracy | "
+        "epsilon spent | rounds applied | s/round | MB/round/site | quantised d |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate(MODES)}
 
     def place(r: dict) -> tuple:
         task = r["key"].split("/")[0]
-        return task, r["partition"], r["epsilon_target"], r["sites"], order[r["mode"]]
+        return (
+            task,
+            r["mechanism"],
+            r["partition"],
+            r["epsilon_target"],
+            r["sites"],
+            order[r["mode"]],
+        )
 
     for r in sorted(rows, key=place):
         task = r["key"].split("/")[0]
         applied = r.get("applied_rounds", r["rounds"])
         rounds = f"{applied}" if applied == r["rounds"] else f"{applied} of {r['rounds']}"
         lines.append(
-            f"| {task} | {r['sites']} | {r['partition']} | {r['epsilon_target']:g} | {r['mode']} "
+            f"| {task} | {r['mechanism']} | {r['sites']} | {r['partition']} | "
+            f"{r['epsilon_target']:g} | {r['mode']} "
             f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {rounds} | "
             f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} | "
             f"{r.get('dimension') or '-'} |"
