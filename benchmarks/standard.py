@@ -69,12 +69,14 @@ from standard_table import fmt_setting
 
 from gep_fed import GEPConfig, PrivacyContract
 from gep_fed.accounting import epsilon_pld, epsilon_rdp
+from gep_fed.data.augment import crop_and_flip
 from gep_fed.data.datasets import MNIST_MEAN, MNIST_STD, load_kmnist, load_mnist, to_tensor
 from gep_fed.data.formats import DataError
 from gep_fed.data.metrics import evaluate
 from gep_fed.data.models import MnistCNN, resnet20_gn
 from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
+from gep_fed.mechanisms.multiplicity import AugmentationMultiplicity
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.training import OptimizerConfig, train_nonprivate, train_private
 
@@ -157,8 +159,9 @@ GRIDS = load_grids()
 # of the iterates (EMA; GEP and GP alike), S1 and S2 set at each subspace computation to the
 # median embedding / residual norm of the public anchors (``clip_quantile``: privacy-free; a
 # privately estimated quantile would cost budget), and GEP's own knobs beyond the grid (a
-# larger k, a smaller residual clip) and a public warm start (GEP and GP alike). Not tuning
-# settings: never chosen for a final.
+# larger k, a smaller residual clip), a public warm start (GEP and GP alike) and, on raw
+# images, augmentation multiplicity (each example's gradient the mean over 4 random crops and
+# flips of it, De et al. 2022; GEP and GP alike). Not tuning settings: never chosen for a final.
 LEVERS = {
     "gep": (
         {"past": 10},
@@ -174,9 +177,23 @@ LEVERS = {
         {"s2_ratio": 0.3},
         {"warm": 10},
         {"warm": 10, "warm_public": 10000},
+        {"aug": 4},
     ),
-    "gp": ({"ema": 0.99}, {"ema": 0.997}, {"warm": 10}, {"warm": 10, "warm_public": 10000}),
+    "gp": (
+        {"ema": 0.99},
+        {"ema": 0.997},
+        {"warm": 10},
+        {"warm": 10, "warm_public": 10000},
+        {"aug": 4},
+    ),
 }
+
+
+def lever_applies(args, lever: dict) -> bool:
+    """Whether ``lever`` means anything for this run's inputs: crops and flips are of images,
+    not of ScatterNet features."""
+    return "aug" not in lever or args.features == "raw"
+
 
 # ---------------------------------------------------------------------------------------------
 # Data
@@ -521,6 +538,17 @@ def optimizer_config(setting: dict) -> OptimizerConfig:
     )
 
 
+def multiplicity(args, setting: dict) -> AugmentationMultiplicity | None:
+    """The ``aug`` lever: random crops (4 pixels, reflected) and flips, drawn from the run's
+    seed (the augmentation's randomness has no privacy meaning)."""
+    if not setting.get("aug"):
+        return None
+    draws = torch.Generator().manual_seed(args.seed + 2)
+    return AugmentationMultiplicity(
+        setting["aug"], functools.partial(crop_and_flip, padding=4, generator=draws)
+    )
+
+
 def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
     train_key, eval_key = ("fit", "val") if stage == "tune" else ("train", "test")
     x, y = data.split(train_key)
@@ -616,6 +644,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 noise=NoiseSource(args.seed + 1),
                 public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
                 average_iterates=setting.get("ema"),
+                multiplicity=multiplicity(args, setting),
                 evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
                 on_step=clock.tick,
             )
@@ -967,7 +996,8 @@ def main(argv=None) -> int:
                         {"lever": lever, "base": best["setting"]},
                     )
                     for lever in LEVERS.get(method, ())
-                    if args.levers is None or set(lever) & set(args.levers)
+                    if (args.levers is None or set(lever) & set(args.levers))
+                    and lever_applies(args, lever)
                 ]
                 tried = [r for r in tried if r is not None]
                 winner = max(tried, key=lambda r: r["accuracy"], default=None)

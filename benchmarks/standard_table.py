@@ -92,6 +92,8 @@ def fmt_setting(method: str, s: dict) -> str:
     if s.get("warm"):
         pool = f" on {s['warm_public']:,} images" if "warm_public" in s else ""
         parts.append(f"warm start {s['warm']} public epochs{pool}")
+    if s.get("aug"):
+        parts.append(f"{s['aug']} augmented copies")
     if s.get("quantile"):
         parts.append(f"S1,S2=public q{s['quantile']:g}")
     if s.get("private_quantile"):

@@ -17,6 +17,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.mechanisms.multiplicity import AugmentationMultiplicity
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep
@@ -68,6 +69,7 @@ def train_private(
     noise: NoiseSource | None = None,
     public_labels: torch.Tensor | None = None,
     average_iterates: float | None = None,
+    multiplicity: AugmentationMultiplicity | None = None,
     evaluate_fn: Callable[[nn.Module], dict] | None = None,
     eval_every: int = 0,
     on_step: Callable[[int, GEPStep], None] | None = None,
@@ -81,6 +83,8 @@ def train_private(
         public_labels: the public data's own labels (``anchor_labels="true"``).
         average_iterates: evaluate an exponential moving average of the parameters with this
             decay instead of the last iterate (post-processing: no privacy cost).
+        multiplicity: each example's gradient averaged over augmented copies before it is
+            clipped (``AugmentationMultiplicity``; no privacy cost).
         evaluate_fn: ``evaluate_fn(model) -> metrics``, every ``eval_every`` steps (0: at the
             end only) and at the end; the result's ``accuracy`` is the final one's.
         on_step: called after each step with the step's index (from 1) and the ``GEPStep``.
@@ -95,6 +99,7 @@ def train_private(
         noise=noise,
         ledger=ledger,
         generator=generator,
+        multiplicity=multiplicity,
     )
     opt, sched = optimizer.make(model, steps)
     averaged = None

@@ -478,3 +478,22 @@ def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
     assert ran[0] == ("gp", winner, "tune", 0) and len(ran) == 3
     key = json.loads(standard.run_key(standard.parse_args([*base[:-1], "1"]), "gp", winner, "tune"))
     assert key["tan"] == 1
+
+
+def test_the_augmentation_lever_is_tried_on_images_and_not_on_scatternet_features():
+    """Crops and flips mean something for raw images only; on them the lever averages each
+    example over 4 copies, drawn from the run's seed."""
+    import torch
+
+    raw = standard.parse_args(["--dataset", "cifar10", "--features", "raw"])
+    features = standard.parse_args(["--dataset", "cifar10", "--features", "scatter"])
+    assert {"aug": 4} in standard.LEVERS["gep"] and {"aug": 4} in standard.LEVERS["gp"]
+    assert standard.lever_applies(raw, {"aug": 4})
+    assert not standard.lever_applies(features, {"aug": 4})
+    assert standard.lever_applies(features, {"ema": 0.99})
+    assert standard.multiplicity(raw, {"lr": 1.0}) is None
+    images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    first, again = (standard.multiplicity(raw, {"aug": 4}) for _ in range(2))
+    assert first.copies == 4
+    torch.testing.assert_close(first.augment(images), again.augment(images))
+    assert not torch.equal(first.augment(images), images)

@@ -1,6 +1,7 @@
 """The GEP mechanism and its parts: the privacy contract, per-example gradients, parameter
 groups, the anchor subspace, clipping and noise (GEP, B-GEP, GP) with proven float bounds,
-Poisson sampling, the training step, release observers, and Langevin DP-SGD."""
+Poisson sampling, the training step (optionally averaging each example over augmented copies),
+release observers, and Langevin DP-SGD."""
 
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
@@ -13,6 +14,7 @@ from gep_fed.mechanisms.mechanism import (
     calibrate_noise_multiplier,
     mechanism_class,
 )
+from gep_fed.mechanisms.multiplicity import AugmentationMultiplicity
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.per_example import batchnorm_to_groupnorm, per_example_gradients
 from gep_fed.mechanisms.sampling import PoissonSampler
@@ -25,6 +27,7 @@ __all__ = [
     "GEP",
     "GP",
     "AnchorSubspace",
+    "AugmentationMultiplicity",
     "ClippedSums",
     "GEPConfig",
     "GEPStep",

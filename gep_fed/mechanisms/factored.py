@@ -86,6 +86,16 @@ class LayerFactors:
         """``(n, d_out)``: each example's gradient of the layer's bias."""
         return self.backprops.sum(1)
 
+    def merged_copies(self, copies: int) -> LayerFactors:
+        """The mean gradient of each run of ``copies`` consecutive examples, as factors: their
+        positions side by side, output gradients divided by ``copies`` (``g = sum_{k,t}
+        d_kt a_kt^T / copies``)."""
+        n, t = self.inputs.shape[:2]
+        return LayerFactors(
+            self.inputs.reshape(n // copies, copies * t, -1),
+            self.backprops.reshape(n // copies, copies * t, -1) / copies,
+        )
+
     def without(self, rows: torch.Tensor) -> LayerFactors:
         """These factors with the examples ``rows`` (a mask) zeroed (dropped examples)."""
         keep = ~rows[:, None, None]
@@ -181,6 +191,14 @@ class PerExampleGradients:
         """The columns of ``group``'s dense parameters in ``dense`` (empty if none)."""
         spans = [self.index[n] for n in group.param_names if n in self.index]
         return slice(spans[0][0], spans[-1][1]) if spans else slice(0, 0)
+
+    def merged_copies(self, copies: int) -> PerExampleGradients:
+        """The mean gradient of each run of ``copies`` consecutive examples."""
+        return PerExampleGradients(
+            self.layout,
+            self.dense.reshape(-1, copies, self.dense.shape[1]).mean(1),
+            {name: f.merged_copies(copies) for name, f in self.factors.items()},
+        )
 
     def without(self, rows: torch.Tensor) -> PerExampleGradients:
         """These gradients with the examples ``rows`` (a mask) set to zero."""

@@ -34,6 +34,7 @@ from gep_fed.mechanisms.contract import (
 from gep_fed.mechanisms.factored import LayerFactors, PerExampleGradients
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
+from gep_fed.mechanisms.multiplicity import AugmentationMultiplicity
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import (
@@ -77,6 +78,9 @@ class GEPStep:
         observers: release observers (``gep_fed.mechanisms.observer``), called at each step:
             their extra rows join the sample's clipped sums, and each sees the noisy
             release. One that adds rows changes the private sums: never in a real run.
+        multiplicity: clip and noise each example's mean gradient over augmented copies of
+            it (``AugmentationMultiplicity``); no privacy meaning (the row still depends on
+            one example and is clipped alike), ``copies`` times the compute.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class GEPStep:
         party: str = "",
         round: int | None = None,
         observers: Iterable[ReleaseObserver] = (),
+        multiplicity: AugmentationMultiplicity | None = None,
     ) -> None:
         validate_model(model)
         if dataset_size < 1:
@@ -110,6 +115,7 @@ class GEPStep:
         self.party = party
         self.round = round
         self.observers = Observers(observers)
+        self.multiplicity = multiplicity
         self.layout = ParameterLayout.from_model(model, config.groups)
         self.mechanism = config.contract.build_mechanism()
         if config.residual_quantile is not None:
@@ -188,6 +194,7 @@ class GEPStep:
             extra,
             self.config.engine,
             self.config.factored_layers,
+            self.multiplicity,
         )
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepReport:
@@ -323,6 +330,7 @@ def clipped_sums_of_batches(
     extra_rows: torch.Tensor | None = None,
     engine: str = "layers",
     factored_layers: bool = True,
+    multiplicity: AugmentationMultiplicity | None = None,
 ) -> ClippedSums:
     """Clip every example's gradient and sum, one batch at a time, on the model's device.
 
@@ -334,17 +342,25 @@ def clipped_sums_of_batches(
     sums of the right shapes. ``engine``: see ``per_example_gradients``; on the layer engine
     with ``factored_layers``, the weights the subspace embeds by Gram products (GEP, B-GEP),
     or whose norms cost less as ghost norms (GP: ``planned_ghost_weights``), are kept as
-    factors and never materialised (``GEPConfig.factored_layers``)."""
+    factors and never materialised (``GEPConfig.factored_layers``). With ``multiplicity``,
+    an example's gradient is the mean over its augmented copies, differentiated
+    ``max_chunk // copies`` examples at a time (``AugmentationMultiplicity``)."""
     device = next(p for p in model.parameters() if p.requires_grad).device
     total = None
     factored = frozenset()
     factoring = engine == "layers" and factored_layers
     if factoring and mechanism.uses_subspace and subspace is not None:
         factored = subspace.factored_weights  # embedded by Gram products
+    if multiplicity is not None:
+        batches = multiplicity.chunks(batches, max_chunk)
+        max_chunk = multiplicity.examples_per_chunk(max_chunk)  # in examples from here
+    copies = 1 if multiplicity is None else multiplicity.copies
     for inputs, targets, *valid in batches:
         # once, here: the planning passes below run the model on them too
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        if multiplicity is not None:
+            inputs, targets = multiplicity.expand(inputs, targets)  # ``valid`` per example
         if factoring and not mechanism.uses_subspace and inputs.shape[0]:
             factored = planned_ghost_weights(model, inputs, layout)  # GP: ghost norms
         if factored and inputs.shape[0]:
@@ -359,11 +375,16 @@ def clipped_sums_of_batches(
                 subspace,
                 max_chunk,
                 factored,
+                copies,
             )
             if sums is not None:
                 total = sums if total is None else total + sums
                 continue
-        grads = per_example_gradients(model, loss_fn, inputs, targets, layout, max_chunk, engine)
+        grads = per_example_gradients(
+            model, loss_fn, inputs, targets, layout, max_chunk * copies, engine
+        )
+        if multiplicity is not None:
+            grads = multiplicity.average(grads)
         if valid:
             invalid = ~valid[0].to(device=device, dtype=torch.bool)
             grads = grads.masked_fill(invalid[:, None], float("nan"))
@@ -377,19 +398,21 @@ def clipped_sums_of_batches(
 
 
 def _factored_sums(
-    model, loss_fn, inputs, targets, valid, layout, mechanism, subspace, max_chunk, factored
+    model, loss_fn, inputs, targets, valid, layout, mechanism, subspace, max_chunk, factored, copies
 ) -> ClippedSums | None:
     """``clipped_sums_of_batches`` for one batch with the subspace's Gram weights kept as
-    factors (``max_chunk`` examples at a time); None when the layer engine cannot serve
-    the model (the caller then materialises every gradient)."""
+    factors (``max_chunk`` examples at a time, each as its ``copies`` consecutive rows, whose
+    gradients are averaged); None when the layer engine cannot serve the model (the caller
+    then materialises every gradient)."""
     total = None
-    for start in range(0, inputs.shape[0], max_chunk):
+    for start in range(0, inputs.shape[0] // copies, max_chunk):
         stop = start + max_chunk
-        grads = factored_gradients(
-            model, loss_fn, inputs[start:stop], targets[start:stop], layout, factored
-        )
+        rows = slice(start * copies, stop * copies)
+        grads = factored_gradients(model, loss_fn, inputs[rows], targets[rows], layout, factored)
         if grads is None:
             return None
+        if copies > 1:
+            grads = grads.merged_copies(copies)
         if valid:
             invalid = ~valid[0][start:stop].to(device=inputs.device, dtype=torch.bool)
             grads = PerExampleGradients(
