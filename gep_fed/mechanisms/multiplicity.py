@@ -29,8 +29,9 @@ class AugmentationMultiplicity:
         copies: K, the augmented copies of each example (1: one augmented copy).
         augment: maps a batch of inputs to a batch of augmented inputs of the same length
             (e.g. ``gep_fed.data.augment.crop_and_flip``), drawing fresh randomness at every
-            call; it must treat the rows independently. No privacy meaning: its randomness
-            need not be secret.
+            call. It must treat each row on its own: one that mixes rows (mixup across the
+            batch) makes a row depend on other examples and voids the guarantee, and it is
+            not checked. Its randomness has no privacy meaning (it need not be secret).
     """
 
     copies: int
