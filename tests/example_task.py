@@ -6,12 +6,15 @@ least 5", on scikit-learn's digits, with the user's own model and dataset classe
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Dataset
 
+from gep_fed.data.augment import crop_and_flip
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import sample_photo_patches
 from gep_fed.data.task import Task, TaskSettings
@@ -65,3 +68,27 @@ class DigitsWithValidation(DigitsTask):
         super().__init__(settings)
         images, labels = self.train
         self.train, self.validation = (images[:1100], labels[:1100]), (images[1100:], labels[1100:])
+
+
+def shift_by_copy(images: torch.Tensor) -> torch.Tensor:
+    """A deterministic stand-in for a random augmentation: the rows alternate between the
+    image and the image brightened by 0.5 (an example's two copies are consecutive rows)."""
+    return images + 0.5 * (torch.arange(len(images)) % 2).to(images).view(-1, 1, 1, 1)
+
+
+def logged_crop_and_flip(images: torch.Tensor) -> torch.Tensor:
+    """One-pixel crops and flips of the 8x8 digits; each call's row count is appended to the
+    file named by ``GEP_FED_TEST_AUGMENTATION_LOG`` (set by a test: the simulated sites run
+    in other processes)."""
+    log = os.environ.get("GEP_FED_TEST_AUGMENTATION_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{len(images)}\n")
+    return crop_and_flip(images, padding=1)
+
+
+class AugmentedDigits(DigitsTask):
+    """The digits task with an augmentation (``logged_crop_and_flip``)."""
+
+    def augmentation(self):
+        return logged_crop_and_flip

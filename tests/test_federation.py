@@ -1,8 +1,11 @@
 """The federation's library side (no Flower): sites, central aggregation, resumption."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
+from example_task import AugmentedDigits, shift_by_copy
 from torch.utils.data import Subset
 
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
@@ -17,6 +20,7 @@ from gep_fed.federation.site import Site
 from gep_fed.federation.wire import RoundRefused
 from gep_fed.mechanisms.per_example import per_example_gradients
 from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.validation import ConfigError
 
 # Sites of these tests trust the server (central mode) and accept noise-free rounds.
 TRUSTING = SitePolicy(None, 1e-5, accepted_modes=("client", "central"), allow_no_noise=True)
@@ -81,6 +85,59 @@ def test_central_mode_without_noise_equals_the_mechanism_on_the_union_of_samples
     server.apply_central(1, sums)
     after = server.layout.flatten_params(server.model)
     torch.testing.assert_close(after, before - 0.5 * single, atol=1e-5, rtol=1e-5)
+
+
+def test_a_sites_rows_are_each_examples_mean_gradient_over_its_augmented_copies(tmp_path, digits):
+    server = make_server(
+        tmp_path,
+        AugmentedDigits(TaskSettings(num_public=300)),
+        mode="central",
+        mechanism="gp",
+        noise_multiplier=0.0,
+        clip_norm=1e6,  # nothing clipped: the sum is the sum of the rows
+        augmentation_copies=2,
+    )
+    plan = server.plan_round(1)
+    data = digits.train_dataset()
+    site = Site(
+        "s",
+        digits.build_model(),
+        data,
+        TRUSTING,
+        ledger=PrivacyLedger(1e-5),
+        sampler_generator=torch.Generator().manual_seed(3),
+        max_chunk=7,  # odd: chunks of 3 examples, 6 rows, an example's copies never split
+        augmentation=shift_by_copy,
+    )
+    site.load_state(server.model.state_dict())
+    sums = site.central_sums(None, plan.config)
+
+    x, y = stack_examples(data)
+    idx = PoissonSampler(len(x), 0.2, 1, torch.Generator().manual_seed(3)).sample()
+    model = digits.build_model()
+    model.load_state_dict(server.model.state_dict())
+    copies = [F.cross_entropy(model(x[idx] + s), y[idx], reduction="sum") for s in (0, 0.5)]
+    (sum(copies) / 2).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(sums.residual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_augmentation_copies_need_a_task_with_an_augmentation(tmp_path, digits):
+    with pytest.raises(ConfigError, match=r"augmentation_copies 2: task 'digits'.*no augmentation"):
+        make_server(tmp_path, digits, augmentation_copies=2)
+    with pytest.raises(ConfigError, match="langevin"):
+        FederationConfig(mechanism="langevin", model="linear", augmentation_copies=2)
+
+
+def test_a_site_whose_task_has_no_augmentation_refuses_augmented_rounds(tmp_path, digits):
+    server = make_server(tmp_path, digits, mode="client", noise_multiplier=1.0)
+    plan = server.plan_round(1)
+    rc = replace(plan.config, augmentation_copies=4)
+    ledger = PrivacyLedger(1e-5)
+    site = Site("s", digits.build_model(), digits.train_dataset(), TRUSTING, ledger=ledger)
+    with pytest.raises(RoundRefused, match="malformed round"):
+        site.run_round(rc, server.subspace)
+    assert ledger.steps == 0
 
 
 def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, digits):

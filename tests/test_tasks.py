@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import SHARED_DATA, shared_file
 
+from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.formats import DataError
@@ -40,23 +41,25 @@ def test_built_in_names_and_import_paths_resolve():
     assert resolve_task("example_task:TwoFindingsTask").kind == "multilabel"
 
 
-@pytest.mark.slow
-def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch):
-    """Client mode (central mode with a user's task is the deployment guide's first run)."""
+def small_run(tmp_path, monkeypatch, task: str, **settings) -> dict:
+    """A short client-mode simulation's settings for ``task`` of tests/example_task.py."""
     # Ray's workers import the task by its path, as a deployed site does
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
-    fed = FederationConfig(
-        task="example_task:TwoFindingsTask",
+    small = dict(rounds=2, local_steps=2, num_basis=16, num_public=200, sample_rate=0.2)
+    return dict(
+        task=f"example_task:{task}",
         mode="client",
-        rounds=2,
-        local_steps=2,
-        num_basis=16,
-        num_public=200,
-        sample_rate=0.2,
         noise_seed=3,
         run_dir=str(tmp_path),
         run_name="r",
+        **{**small, **settings},
     )
+
+
+@pytest.mark.slow
+def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch):
+    """Client mode (central mode with a user's task is the deployment guide's first run)."""
+    fed = FederationConfig(**small_run(tmp_path, monkeypatch, "TwoFindingsTask"))
     result = simulate(fed, progress=False)
     assert [m["round"] for m in result.metrics] == [1, 2]
     assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
@@ -69,22 +72,35 @@ def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_every_site_averages_over_the_augmented_copies_the_run_asks_for(tmp_path, monkeypatch):
+    """``augmentation_copies`` reaches the simulated sites through the round config, and
+    they augment with their own task's augmentation, K copies of every sampled example;
+    the run's noise and accounting are those of the same run without copies. (Client mode;
+    the other modes' site code is tested on the library side, tests/test_federation.py.)"""
+    log = tmp_path / "augmented_rows.txt"
+    monkeypatch.setenv("GEP_FED_TEST_AUGMENTATION_LOG", str(log))
+    settings = small_run(tmp_path, monkeypatch, "AugmentedDigits", max_chunk=32)
+    fed = FederationConfig(augmentation_copies=3, **settings)
+    result = simulate(fed, progress=False)
+    assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
+    rows = [int(n) for n in log.read_text().split()]
+    # the server's anchors are never augmented; every site call is whole examples' copies
+    assert rows and all(n % 3 == 0 and n <= 30 for n in rows)
+    steps = 2 * 2  # each site's: rounds x local steps
+    assert sum(rows) / 3 == pytest.approx(0.2 * 1437 * steps, rel=0.2)
+    assert fed.contract == FederationConfig(augmentation_copies=0, **settings).contract
+    ledger = PrivacyLedger.load_keyed(result.run_dir / "sites/site-0/ledger.json")
+    assert ledger.epsilon() == pytest.approx(
+        epsilon_rdp(fed.contract.events(steps), fed.delta), rel=1e-9
+    )
+
+
+@pytest.mark.slow
 def test_the_server_keeps_the_best_round_on_the_tasks_validation_set(tmp_path, monkeypatch):
     """A task with a validation set: every round is scored on it, best_model.pt holds the
     model of the best round by validation balanced accuracy (re-evaluating it gives that
     round's figure), and the final model stays the result in model.pt."""
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
-    fed = FederationConfig(
-        task="example_task:DigitsWithValidation",
-        rounds=4,
-        local_steps=2,
-        num_basis=16,
-        num_public=200,
-        sample_rate=0.2,
-        noise_seed=3,
-        run_dir=str(tmp_path),
-        run_name="r",
-    )
+    fed = FederationConfig(**small_run(tmp_path, monkeypatch, "DigitsWithValidation", rounds=4))
     result = simulate(fed, progress=False)
     rows = result.metrics
     scores = [r["val_balanced_accuracy"] for r in rows]
@@ -230,3 +246,14 @@ def test_counting_or_partitioning_pooled_features_does_not_compute_them():
     assert len(ds) == 5 and list(ds.targets()) == [0, 1, 0, 1, 0]
     with pytest.raises(DataError, match="3 feature rows but 5 labels"):
         FeatureDataset(lambda: torch.zeros(3, 2), np.arange(5))[0]
+
+
+@pytest.mark.parametrize(
+    "model, augmented", [("resnet20", True), ("cnn", True), ("scatter-linear", False)]
+)
+def test_cifar10_augments_pixels_and_not_precomputed_scatternet_features(model, augmented):
+    from gep_fed.data.augment import crop_and_flip
+    from gep_fed.data.builtin_tasks import Cifar10Task
+
+    augmentation = Cifar10Task(TaskSettings(model=model)).augmentation()
+    assert (augmentation is crop_and_flip) if augmented else augmentation is None

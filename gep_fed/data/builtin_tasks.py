@@ -36,6 +36,7 @@ import numpy as np
 from torch import nn
 from torch.utils.data import Dataset
 
+from gep_fed.data.augment import crop_and_flip
 from gep_fed.data.datasets import (
     MNIST_MEAN,
     MNIST_STD,
@@ -65,6 +66,7 @@ from gep_fed.mechanisms.contract import (
     DEFAULT_NUM_ANCHORS,
     DEFAULT_NUM_BASIS,
 )
+from gep_fed.mechanisms.multiplicity import Augment
 
 SCATTER_MODELS = ("scatter-linear", "scatter-cnn")
 ARCHITECTURES = ("auto", "cnn", "mlp", "linear", *SCATTER_MODELS)
@@ -348,6 +350,12 @@ class Cifar10Task(Task):
         if self.architecture == "cnn":
             return MnistCNN(3, 10, image_size=32)
         return resnet20_gn(num_classes=10)
+
+    def augmentation(self) -> Augment | None:
+        """Random 4-pixel crops and left-right flips of the images (De et al. 2022), for the
+        models on pixels; None for the ScatterNet models, which train on features computed
+        once."""
+        return None if self.architecture in SCATTER_MODELS else crop_and_flip
 
     def _served(self, dataset: ImageDataset, cache: bool = True) -> Dataset:
         """The images as they are, or their ScatterNet features (computed once; cached on

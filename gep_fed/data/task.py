@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from gep_fed.data.datasets import to_tensor
 from gep_fed.data.formats import DataError
 from gep_fed.data.metrics import KINDS, evaluate_predictions, loss_for
+from gep_fed.mechanisms.multiplicity import Augment
 
 # What a new task should start from: the step that won the small-data sweep on validation
 # (benchmarks/small_data.py: PneumoniaMNIST cut to 1,000 images over 3 sites, epsilon 8; GEP on
@@ -144,6 +145,16 @@ class Task(ABC):
     def site_dataset(self, data_path: str) -> Dataset:
         """A deployed site's own private data, from the ``data-path`` of its node config."""
         raise NotImplementedError(f"{type(self).__name__} does not read site data files")
+
+    def augmentation(self) -> Augment | None:
+        """Optional: a random augmentation of a batch of this task's inputs (a tensor of
+        ``(N, ...)`` inputs to ``N`` augmented ones, fresh randomness at every call), for
+        augmentation multiplicity (``augmentation_copies``): each example's gradient is the
+        mean over its augmented copies, clipped once, so the guarantee is unchanged. It must
+        treat each row on its own: one that mixes rows (mixup across the batch) makes an
+        example's gradient depend on others and voids the guarantee. None (the default): the
+        task has no augmentation and runs only with ``augmentation_copies = 0``."""
+        return None
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of a batch (one example at a time when per-example gradients are taken):

@@ -38,6 +38,8 @@ MODES = ("central", "client", "distributed")
 BASIS_DTYPES = ("float32", "float16")
 BASIS_TRANSPORTS = ("basis", "rebuild")
 LEARNING_RATE = POSITIVE
+# 0: no augmentation; K: each example's gradient is the mean over K augmented copies
+AUGMENTATION_COPIES = Range(0, 64, integer=True)
 
 
 def task_class(name: str) -> type[Task]:
@@ -183,6 +185,12 @@ class FederationConfig:
     local_steps: int = _opt(10, "private steps per site per round (client mode), each accounted")
     local_lr: float = _opt(1.0, "site learning rate (client mode)")
     local_momentum: float = _opt(0.0, "site SGD momentum (client mode)")
+    augmentation_copies: int = _opt(
+        0,
+        "K: each private example's gradient is the mean over K randomly augmented copies of "
+        "it (the task's augmentation), clipped once: no privacy cost, K times the compute; "
+        "0: no augmentation",
+    )
     server_lr: float = _opt(
         1.0, "server step size on the private gradient (central) or on the mean delta (client)"
     )
@@ -243,6 +251,9 @@ class FederationConfig:
             LEARNING_RATE.check(name, getattr(self, name))
         for name in ("local_momentum", "server_momentum"):
             MOMENTUM.check(name, getattr(self, name))
+        AUGMENTATION_COPIES.check("augmentation_copies", self.augmentation_copies)
+        if self.augmentation_copies and self.mechanism == "langevin":
+            raise ConfigError("augmentation_copies needs gep, bgep or gp (langevin has none)")
         # The clip norms' own range is the contract's, checked where it is built; a
         # contract of the run's clips at sigma 0 checks them now.
         PrivacyContract(

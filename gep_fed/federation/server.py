@@ -51,6 +51,7 @@ from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import validate_model
 from gep_fed.mechanisms.step import write_gradient
 from gep_fed.mechanisms.subspace import AnchorSubspace
+from gep_fed.validation import ConfigError
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,11 @@ class FederationServer:
         if cfg.mechanism == "langevin":
             check_linear(self.model)  # before any round: its guarantee needs a convex loss
         self.layout = ParameterLayout.from_model(self.model)
+        if cfg.augmentation_copies and task.augmentation() is None:
+            raise ConfigError(
+                f"augmentation_copies {cfg.augmentation_copies}: task {cfg.task!r} (model "
+                f"{cfg.model!r}) has no augmentation (Task.augmentation); use 0"
+            )
         self.total_examples = total_examples
         # Langevin sites add their own noise from beta0 and account per step themselves.
         self.langevin = cfg.mechanism == "langevin"
@@ -228,6 +234,7 @@ class FederationServer:
             local_steps=cfg.local_steps,
             local_lr=float(cfg.local_lr),
             local_momentum=float(cfg.local_momentum),
+            augmentation_copies=cfg.augmentation_copies,
             basis_id=self.basis_id if self.mechanism.uses_subspace else -1,
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),

@@ -38,6 +38,7 @@ from gep_fed.mechanisms.anchors import AnchorSet, rebuild_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
 from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.mechanisms.multiplicity import Augment, AugmentationMultiplicity
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import LossFn, validate_model
@@ -85,6 +86,8 @@ class Site:
         sampler_generator: Poisson sampling randomness (None: seeded from the OS).
         max_chunk: at most this many examples are loaded and differentiated at once.
         num_workers: ``DataLoader`` worker processes that decode the sampled examples.
+        augmentation: the task's augmentation (``Task.augmentation``), used when a round
+            asks for ``augmentation_copies``; a site without one refuses such rounds.
         observers: release observers (``gep_fed.mechanisms.observer``) of every release the
             site computes: their extra rows join its samples' clipped sums, and in client-side
             mode each sees the noisy release of every local step. One that adds rows changes
@@ -106,6 +109,7 @@ class Site:
         sampler_generator: torch.Generator | None = None,
         max_chunk: int = 128,
         num_workers: int = 0,
+        augmentation: Augment | None = None,
         observers: Iterable[ReleaseObserver] = (),
     ) -> None:
         validate_model(model)
@@ -124,6 +128,7 @@ class Site:
         self.sampler_generator = sampler_generator
         self.max_chunk = max_chunk
         self.num_workers = num_workers
+        self.augmentation = augmentation
         self.observers = Observers(observers)
 
     @property
@@ -202,6 +207,14 @@ class Site:
         if rc.parameter_layout() != self.layout:
             # another layout (a name twice, other shapes or groups) would mis-assign columns
             raise RoundRefused("malformed round")
+        if rc.augmentation_copies and self.augmentation is None:
+            raise RoundRefused("malformed round")  # the site's task has no augmentation
+
+    def multiplicity(self, rc: RoundConfig) -> AugmentationMultiplicity | None:
+        """The round's augmentation multiplicity (None: each example once, unaugmented)."""
+        if not rc.augmentation_copies:
+            return None
+        return AugmentationMultiplicity(rc.augmentation_copies, self.augmentation)
 
     def round_events(
         self, rc: RoundConfig, subspace: AnchorSubspace | None = None
@@ -257,6 +270,7 @@ class Site:
             sub,
             self.max_chunk,
             extra,
+            multiplicity=self.multiplicity(rc),
         )
 
     def local_update(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> torch.Tensor:
@@ -279,6 +293,7 @@ class Site:
             party=self.site_id,
             round=rc.round,
             observers=self.observers,
+            multiplicity=self.multiplicity(rc),
         )
         if subspace is not None:
             step.set_subspace(subspace)

@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gep_fed.federation.config import BASIS_DTYPES, LEARNING_RATE, MODES
+from gep_fed.federation.config import AUGMENTATION_COPIES, BASIS_DTYPES, LEARNING_RATE, MODES
 from gep_fed.mechanisms.anchors import AnchorSet
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
@@ -29,7 +29,8 @@ from gep_fed.validation import AT_LEAST_ONE, MOMENTUM, ConfigError
 
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
 # 3: no model spec in the round config (the run's task builds the model at both ends).
-PROTOCOL_VERSION = 3
+# 4: the round config carries augmentation_copies.
+PROTOCOL_VERSION = 4
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -144,6 +145,9 @@ class RoundConfig:
         privacy: the privacy contract (mechanism, sigma, q, clip norms): what the site clips,
             noises and accounts, and what the server's own mechanism is built from.
         local_steps, local_lr, local_momentum: the site's optimiser in client mode.
+        augmentation_copies: K, each example's gradient is the mean over K augmented copies
+            (the site's own task's augmentation), clipped once; 0: none. It sets the
+            site's compute, not its privacy: the sensitivity is one clip bound either way.
         basis_id: which basis the site must use (-1: none); a site keeps the last one it
             received, so the server sends the basis only when ``basis_id`` changes.
         basis_dtype: "float32" or "float16" on the wire (the site uses what it received).
@@ -157,6 +161,7 @@ class RoundConfig:
     local_steps: int
     local_lr: float
     local_momentum: float
+    augmentation_copies: int
     basis_id: int
     basis_dtype: str
     layout: str
@@ -196,6 +201,7 @@ class RoundConfig:
             "local_steps": AT_LEAST_ONE.contains(cfg.local_steps),
             "local_lr": LEARNING_RATE.contains(cfg.local_lr),
             "local_momentum": MOMENTUM.contains(cfg.local_momentum),
+            "augmentation_copies": AUGMENTATION_COPIES.contains(cfg.augmentation_copies),
             "basis_id": cfg.basis_id >= -1,
             "basis_dtype": cfg.basis_dtype in BASIS_DTYPES,
         }
@@ -220,6 +226,7 @@ _ROUND_TYPES = {
     "local_steps": int,
     "local_lr": float,
     "local_momentum": float,
+    "augmentation_copies": int,
     "basis_id": int,
     "basis_dtype": str,
     "layout": str,

@@ -101,6 +101,7 @@ def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | 
             device=resolve_device(cfg.device),
             max_chunk=max_chunk,
             num_workers=cfg.num_workers,
+            augmentation=task.augmentation(),
         )
         _SITES[key] = (site, cfg)
     site, cfg = _SITES[key]
