@@ -287,8 +287,19 @@ def test_a_rejected_central_reply_leaves_no_trace_of_its_values_on_the_server(tm
         {"privacy.clip_embedding": float("inf")},
         {"round": -3},
         {"local_steps": 0},
+        {"augmentation_copies": 1000},
+        {"augmentation_copies": 4},  # the site's task (digits) has no augmentation
     ],
-    ids=["q>1", "sigma<0", "unknown-mechanism", "S1-inf", "round<1", "no-steps"],
+    ids=[
+        "q>1",
+        "sigma<0",
+        "unknown-mechanism",
+        "S1-inf",
+        "round<1",
+        "no-steps",
+        "copies>64",
+        "copies-without-augmentation",
+    ],
 )
 def test_malformed_round_configs_are_refused_before_computing(
     tmp_path, digits, hospital, record_changes
