@@ -100,6 +100,25 @@ def test_a_task_recommends_its_data_sets_validation_winner(dataset, task):
     assert rec["local_steps"] == 1 and rec["local_lr"] == 1.0 and rec["local_momentum"] == 0.0
 
 
+def test_cifar10_recommends_the_model_that_won_geps_validation_across_the_sweep():
+    """Issue 23's sweep (linear head, ScatterNet CNNs of growing width, ResNet20-GN at
+    epsilon 8): the model of GEP's best validation run is the task's recommended one. (GP's
+    and Opacus's best is the width-4 CNN; the recommendation serves GEP, the default.)"""
+    tuned = [
+        r
+        for r in standard.read_log("cifar10")
+        if r["stage"] == "tune"
+        and r["method"] == "gep"
+        and r["epsilon"] == standard.GOALS["cifar10"][0]
+        and r.get("seed", 0) == 0
+        and "lever" not in r
+    ]
+    assert {r["head"] for r in tuned} >= {"linear", "cnn", "cnn-w2", "cnn-w4", "resnet20"}
+    best = max(tuned, key=lambda r: r["accuracy"])
+    assert (best["features"], best["head"]) == ("scatter", "linear")
+    assert Cifar10Task.recommended_settings["model"] == "scatter-linear"
+
+
 def test_fashion_mnist_holds_the_benchmarks_public_anchor_pool():
     # benchmarks/standard.py held 2,000 KMNIST images and drew 1,000 anchors per subspace
     assert FashionMnistTask.recommended_settings["num_public"] == 2000
