@@ -131,6 +131,9 @@ SITE = {
         ({**SITE, "epsilon-budget": 1.0, "noise-seed": 3}, "noise-seed"),
         ({**SITE, "epsilon-budget": 1.0, "accept-modes": "client,trusting"}, "accept-modes"),
         ({**SITE, "epsilon-budget": 1.0, "release-metrics": "yes"}, "release-metrics"),
+        ({**SITE, "epsilon-budget": 1.0, "max-local-steps": 0}, "max-local-steps"),
+        ({**SITE, "epsilon-budget": 1.0, "max-augmentation-copies": 65},
+         "max-augmentation-copies"),
     ],
 )
 def test_bad_node_config_is_named(node_config, problem):

@@ -23,6 +23,14 @@ def guide_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), flags=re.S)
 
 
+def test_the_guide_documents_every_node_config_key():
+    from gep_fed.federation.policy import NODE_CONFIG_KEYS
+
+    rows = re.findall(r"^\| (.*?) \|", GUIDE.read_text(), flags=re.M)
+    documented = set(re.findall(r"`([a-z-]+)`", " ".join(rows)))
+    assert sorted(set(NODE_CONFIG_KEYS) - documented) == []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -311,6 +311,35 @@ def test_malformed_round_configs_are_refused_before_computing(
     assert site_ledger(hospital).steps == 0
 
 
+@pytest.mark.parametrize(
+    "record_changes, site_limits",
+    [
+        ({"local_steps": 101}, {}),
+        ({"local_steps": 3}, {"max-local-steps": 2}),
+        ({"augmentation_copies": 17}, {}),
+        ({"augmentation_copies": 2}, {"max-augmentation-copies": 1}),
+    ],
+    ids=["steps>default", "steps>site's", "copies>default", "copies>site's"],
+)
+def test_a_round_asking_more_work_than_the_site_allows_is_refused(
+    tmp_path, digits, hospital, record_changes, site_limits
+):
+    """A server cannot tie a site up: its node config (or the defaults) bounds the steps and
+    augmented copies of one round; the refusal comes before any work or ledger entry."""
+    server = make_server(tmp_path, digits)
+    msg = round_message(server, 1, record_changes=record_changes)
+    reply, _ = answer(msg, {**hospital, **site_limits}, server.cfg)
+    assert refused(reply, "over compute limit")
+    assert site_ledger(hospital).steps == 0
+
+
+def test_a_round_within_the_sites_work_limits_is_answered(tmp_path, digits, hospital):
+    server = make_server(tmp_path, digits, local_steps=2)
+    reply, _ = answer(round_message(server, 1), {**hospital, "max-local-steps": 2}, server.cfg)
+    assert not reply.has_error()
+    assert site_ledger(hospital).steps == 2
+
+
 def test_huge_clip_norms_only_buy_proportionally_more_noise(tmp_path, digits, hospital):
     """S1 = S2 = 1e9 disables clipping in effect, but the site's noise is sigma * S: the
     release stays private, and it is accounted at the contract's sigma like any other."""

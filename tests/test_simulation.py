@@ -182,3 +182,20 @@ def test_a_site_with_an_exhausted_budget_refuses_and_the_others_go_on(tmp_path):
     assert PrivacyLedger.load(spent, key).steps == 95  # nothing more recorded, nothing lost
     site0 = tmp_path / "r" / "sites" / "site-0" / "ledger.json"
     assert PrivacyLedger.load_keyed(site0).steps == 4
+
+
+def test_simulated_sites_accept_the_work_their_own_simulation_asks():
+    """The local user runs every simulated site, so its sites allow the steps and copies the
+    simulation asks for, above the deployed defaults too; a deployed site keeps its own."""
+    from gep_fed.federation.policy import SiteConfig
+    from gep_fed.flower.simulation import simulated_site_settings
+
+    def policy(fed):
+        settings = simulated_site_settings(fed)
+        node = {"partition-id": 0, "num-partitions": 2}
+        return SiteConfig.from_node_config(node, settings, "/tmp/run").policy
+
+    large = policy(FederationConfig(local_steps=150, augmentation_copies=32))
+    assert (large.max_local_steps, large.max_augmentation_copies) == (150, 32)
+    small = policy(FederationConfig(local_steps=3))
+    assert (small.max_local_steps, small.max_augmentation_copies) == (100, 16)

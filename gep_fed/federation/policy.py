@@ -26,14 +26,18 @@ from pathlib import Path
 from gep_fed.accounting.ledger import default_key_path
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
-from gep_fed.federation.config import MODES, FederationConfig
+from gep_fed.federation.config import AUGMENTATION_COPIES, MODES, FederationConfig
 from gep_fed.federation.wire import RoundConfig, RoundRefused
-from gep_fed.validation import DELTA, ConfigError
+from gep_fed.validation import AT_LEAST_ONE, DELTA, ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 SIMULATED_SITE_ENV = "GEP_FED_SIMULATED_SITE"
 # A simulated site that was given no settings: client-side only, the documented default budget.
 SIMULATED_SITE_DEFAULTS = {"epsilon-budget": 8.0, "delta": 1e-5}
+# The most work a site does for one round unless its node config says otherwise: a server
+# that asks for more is refused ("over compute limit"), so it cannot tie a site up for hours.
+DEFAULT_MAX_LOCAL_STEPS = 100
+DEFAULT_MAX_AUGMENTATION_COPIES = 16
 
 # Keys a deployed site's node config may hold, with what they mean (``gep-fed`` prints them).
 NODE_CONFIG_KEYS = {
@@ -56,6 +60,11 @@ NODE_CONFIG_KEYS = {
     "max-colluding-sites": "distributed mode: how many other sites may collude with the "
     "server (their noise shares are not counted); the site unmasks only when at least the "
     "round's noise shares plus this many sites survive (default 0)",
+    "max-local-steps": "the most private steps this site takes in one client-mode round "
+    f"(compute; default {DEFAULT_MAX_LOCAL_STEPS}); rounds asking more are refused",
+    "max-augmentation-copies": "the most augmented copies of each example this site "
+    f"differentiates in a round (compute; default {DEFAULT_MAX_AUGMENTATION_COPIES}); rounds "
+    "asking more are refused",
     "release-metrics": "let a training loss leave the site, outside the guarantee (false)",
     "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
     "device": "auto (cuda when available), cpu or cuda",
@@ -92,6 +101,10 @@ class SitePolicy:
         allow_no_noise: accept sigma = 0, i.e. no privacy at all (tests only). Off by default.
         noise_seed: fixes the site's noise (simulations for tests and benchmarks only; a
             deployed site has none and its noise is seeded by the OS CSPRNG).
+        max_local_steps, max_augmentation_copies: the most work one round may ask of the
+            site (client-mode steps; augmented copies per example). They bound compute, not
+            privacy: every step is accounted whatever its number, and copies leave the
+            sensitivity unchanged.
     """
 
     epsilon_budget: float | None
@@ -101,6 +114,8 @@ class SitePolicy:
     allow_no_noise: bool = False
     noise_seed: int | None = None
     max_colluding_sites: int = 0
+    max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
+    max_augmentation_copies: int = DEFAULT_MAX_AUGMENTATION_COPIES
 
     def __post_init__(self) -> None:
         if self.epsilon_budget is None and not self.allow_no_noise:
@@ -122,6 +137,8 @@ class SitePolicy:
             raise ConfigError(
                 f"max-colluding-sites must be an integer >= 0, got {self.max_colluding_sites!r}"
             )
+        AT_LEAST_ONE.check("max-local-steps", self.max_local_steps)
+        AUGMENTATION_COPIES.check("max-augmentation-copies", self.max_augmentation_copies)
 
     def survivors_needed(self, noise_shares: int) -> int:
         """The fewest sites in a distributed sum for which this site reveals its unmasking
@@ -140,6 +157,9 @@ class SitePolicy:
             raise RoundRefused("over budget")  # epsilon would be infinite
         if (rc.mode == "distributed") != rc.privacy.is_distributed:
             raise RoundRefused("malformed round")
+        steps = rc.local_steps if rc.mode == "client" else 1
+        if steps > self.max_local_steps or rc.augmentation_copies > self.max_augmentation_copies:
+            raise RoundRefused("over compute limit")
 
 
 @dataclass(frozen=True)
@@ -253,6 +273,10 @@ class SiteConfig:
             allow_no_noise=no_noise,
             noise_seed=None if seed is None else seed + (pid or 0),
             max_colluding_sites=get.integer("max-colluding-sites") or 0,
+            max_local_steps=_or(get.integer("max-local-steps"), DEFAULT_MAX_LOCAL_STEPS),
+            max_augmentation_copies=_or(
+                get.integer("max-augmentation-copies"), DEFAULT_MAX_AUGMENTATION_COPIES
+            ),
         )
         device = get.text("device") or "auto"
         if device not in DEVICES:
@@ -279,6 +303,11 @@ class SiteConfig:
             device=device,
             num_workers=get.integer("num-workers") or 0,
         )
+
+
+def _or(value: int | None, default: int) -> int:
+    """``value`` where the node config set one (0 included), else ``default``."""
+    return default if value is None else value
 
 
 def simulated_site_name(settings: Mapping[str, object]) -> str:

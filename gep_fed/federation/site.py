@@ -186,7 +186,7 @@ class Site:
         """Admit the round (policy, then budget), record it, compute the release.
 
         Raises ``RoundRefused`` ("mode not allowed", "replayed round", "over budget",
-        "malformed round") before anything is computed or recorded.
+        "malformed round", "over compute limit") before anything is computed or recorded.
         """
         if self.ledger is None:
             raise ValueError(f"site {self.site_id}: needs its ledger")

@@ -57,6 +57,7 @@ REFUSALS = {
     "replayed round": 604,
     "site error": 605,
     "too few sites": 606,
+    "over compute limit": 607,
 }
 
 

@@ -14,6 +14,10 @@ from pathlib import Path
 from gep_fed.data.formats import DataError
 from gep_fed.data.task import CheckedExamples
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.policy import (
+    DEFAULT_MAX_AUGMENTATION_COPIES,
+    DEFAULT_MAX_LOCAL_STEPS,
+)
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.site import pooled_shares
 from gep_fed.mechanisms.per_example import validate_model
@@ -147,6 +151,8 @@ def simulated_site_settings(
         "accept-modes": fed.mode,
         "release-metrics": fed.release_site_metrics,
         "allow-no-noise": fed.noise_multiplier == 0,
+        "max-local-steps": max(fed.local_steps, DEFAULT_MAX_LOCAL_STEPS),
+        "max-augmentation-copies": max(fed.augmentation_copies, DEFAULT_MAX_AUGMENTATION_COPIES),
         "ledger-dir": str(Path(fed.run_directory("")) / "sites"),
     }
     if fed.noise_seed is not None:  # distinct from the server's seed; site i adds i
