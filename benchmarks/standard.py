@@ -319,14 +319,7 @@ def build_model(args, data: Data, num_classes: int = 10) -> torch.nn.Module:
 
     if args.head == "linear":
         return scatter_linear(num_classes, data.feature_shape, groups=args.groups)
-    w = args.width  # Tramer & Boneh's CNN at width 1; the dimension sweep widens it
-    return scatter_cnn(
-        num_classes,
-        data.feature_shape,
-        groups=args.groups,
-        channels=(16 * w, 32 * w),
-        hidden=32 * w,
-    )
+    return scatter_cnn(num_classes, data.feature_shape, groups=args.groups, width=args.width)
 
 
 # ---------------------------------------------------------------------------------------------

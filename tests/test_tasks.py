@@ -194,7 +194,8 @@ def test_a_sites_scatter_features_are_computed_in_memory_never_cached(tmp_path, 
 
 @pytest.mark.parametrize(
     "model, params",
-    [("auto", 243 * 64 * 10 + 10), ("scatter-cnn", 56_394)],  # the sweep's 56,394
+    # the sweep's models: 56,394 and 477,450 parameters
+    [("auto", 243 * 64 * 10 + 10), ("scatter-cnn", 56_394), ("scatter-cnn-w4", 477_450)],
 )
 def test_a_cifar10_sites_file_is_served_as_scatter_features_never_cached(
     tmp_path, monkeypatch, model, params

@@ -252,14 +252,14 @@ def scatter_cnn(
     in_shape: Sequence[int] = (81, 7, 7),
     groups: int | None = 27,
     public_features: torch.Tensor | None = None,
-    channels: tuple[int, int] = (16, 32),
-    hidden: int = 32,
+    width: int = 1,
 ) -> nn.Sequential:
     """Tramer & Boneh's small tanh CNN on ScatterNet features (their MNIST/Fashion-MNIST
     ``MNIST_CNN`` for scattered input): normalisation as in ``scatter_linear``, conv3x3/2 -
-    tanh - conv3x3 - tanh - linear(hidden) - tanh - linear. No BatchNorm."""
+    tanh - conv3x3 - tanh - linear(hidden) - tanh - linear. No BatchNorm. ``width`` scales
+    the channels (16, 32) and the hidden layer (32), as the CIFAR-10 dimension sweep does."""
     c, h, w = in_shape
-    c1, c2 = channels
+    c1, c2, hidden = 16 * width, 32 * width, 32 * width
     oh, ow = (h + 1) // 2, (w + 1) // 2
     return nn.Sequential(
         _feature_norm(c, groups, public_features),

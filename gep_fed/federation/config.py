@@ -110,7 +110,8 @@ class FederationConfig:
         "auto",
         "architecture, as the task understands it (built-in tasks: auto = mlp for digits, "
         "scatter-linear for fashion-mnist and cifar10, cnn otherwise; cnn, mlp, linear, "
-        "scatter-linear, scatter-cnn; cifar10: scatter-linear, scatter-cnn, resnet20, cnn)",
+        "scatter-linear, scatter-cnn, scatter-cnn-w2, scatter-cnn-w4; cifar10: the scatter "
+        "models, resnet20, cnn)",
     )
     data_dir: str = _opt("../shared/data", "folder with mnist/, kmnist/, medmnist/")
     medmnist_path: str = _opt("", "a MedMNIST <flag>.npz for task medmnist")
