@@ -78,6 +78,16 @@ def test_every_simulate_option_has_help_text():
     assert all(a.help and not a.help.startswith(" (default") for a in options)
 
 
+def test_site_check_help_lists_every_node_config_key():
+    from gep_fed.federation.policy import NODE_CONFIG_KEYS
+
+    parser = build_parser()
+    site = next(a for a in parser._actions if a.dest == "command").choices["site"]
+    check = next(a for a in site._actions if a.dest == "site_command").choices["check"]
+    text = check.format_help()
+    assert all(f"  {key}: " in text for key in NODE_CONFIG_KEYS)
+
+
 @pytest.mark.slow
 def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     """Only the sites' ledgers know Langevin's spend (it depends on each site's size): the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 import time
 import types
 import typing
@@ -21,6 +22,7 @@ from gep_fed.accounting.ledger import (
     read_ledger_key,
 )
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.policy import NODE_CONFIG_KEYS
 from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
 from gep_fed.validation import ConfigError
 
@@ -540,6 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
         "an example that cannot be read or does not suit the task is dropped silently (a "
         "failed reply would reveal it), so fix what this reports before joining. Exit status "
         "0: ready; 1: problems found. Nothing leaves the site.",
+        epilog="node config keys:\n"
+        + "\n".join(
+            textwrap.fill(f"{key}: {meaning}", 88, initial_indent="  ", subsequent_indent="    ")
+            for key, meaning in NODE_CONFIG_KEYS.items()
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument(
         "--node-config",

@@ -39,7 +39,8 @@ SIMULATED_SITE_DEFAULTS = {"epsilon-budget": 8.0, "delta": 1e-5}
 DEFAULT_MAX_LOCAL_STEPS = 100
 DEFAULT_MAX_AUGMENTATION_COPIES = 16
 
-# Keys a deployed site's node config may hold, with what they mean (``gep-fed`` prints them).
+# Keys a deployed site's node config may hold, with what they mean (``gep-fed site check
+# --help`` prints them).
 NODE_CONFIG_KEYS = {
     "site-id": "how the site names itself in its ledger",
     "task": "the task this site trains: a built-in name or 'package.module:Class' (required); "
