@@ -274,9 +274,9 @@ class SiteConfig:
             allow_no_noise=no_noise,
             noise_seed=None if seed is None else seed + (pid or 0),
             max_colluding_sites=get.integer("max-colluding-sites") or 0,
-            max_local_steps=_or(get.integer("max-local-steps"), DEFAULT_MAX_LOCAL_STEPS),
-            max_augmentation_copies=_or(
-                get.integer("max-augmentation-copies"), DEFAULT_MAX_AUGMENTATION_COPIES
+            max_local_steps=get.integer("max-local-steps", DEFAULT_MAX_LOCAL_STEPS),
+            max_augmentation_copies=get.integer(
+                "max-augmentation-copies", DEFAULT_MAX_AUGMENTATION_COPIES
             ),
         )
         device = get.text("device") or "auto"
@@ -304,11 +304,6 @@ class SiteConfig:
             device=device,
             num_workers=get.integer("num-workers") or 0,
         )
-
-
-def _or(value: int | None, default: int) -> int:
-    """``value`` where the node config set one (0 included), else ``default``."""
-    return default if value is None else value
 
 
 def simulated_site_name(settings: Mapping[str, object]) -> str:
@@ -363,10 +358,11 @@ class _Reader:
             raise ConfigError(f"node config {key} must be a number, got {value!r}")
         return float(value)
 
-    def integer(self, key: str) -> int | None:
+    def integer(self, key: str, default: int | None = None) -> int | None:
+        """The key's value (0 included) where the node config sets it, else ``default``."""
         value = self.values.get(key)
         if value is None:
-            return None
+            return default
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"node config {key} must be an integer >= 0, got {value!r}")
         return value
