@@ -117,26 +117,46 @@ def tune_one(args, method: str, point: dict, path: Path) -> dict:
     """One tuning run: the library's loop on the pooled training images, scored on val."""
     s = settings_of(point)
     task = MedMnistTask(
-        TaskSettings(data_dir=str(SHARED_DATA), model=s["model"], num_public=s["num_public"],
-                     seed=args.seed, options={"medmnist-path": str(path)})
+        TaskSettings(
+            data_dir=str(SHARED_DATA),
+            model=s["model"],
+            num_public=s["num_public"],
+            seed=args.seed,
+            options={"medmnist-path": str(path)},
+        )
     )
     x, y = stack_examples(task.train_dataset())
     val = stack_examples(task.eval_dataset())
     public = stack_examples(task.public_dataset())[0]
     contract = PrivacyContract.for_budget(
-        method, args.epsilon, DELTA, s["sample_rate"], s["rounds"],
-        clip_embedding=s["clip_embedding"], clip_residual=s["clip_residual"],
+        method,
+        args.epsilon,
+        DELTA,
+        s["sample_rate"],
+        s["rounds"],
+        clip_embedding=s["clip_embedding"],
+        clip_residual=s["clip_residual"],
         clip_norm=s["clip_norm"],
     )
-    config = GEPConfig(contract, num_basis=s["num_basis"], num_anchors=s["num_anchors"],
-                       basis_refresh=s["basis_refresh"])
+    config = GEPConfig(
+        contract,
+        num_basis=s["num_basis"],
+        num_anchors=s["num_anchors"],
+        basis_refresh=s["basis_refresh"],
+    )
     torch.manual_seed(args.seed)
     model = task.build_model()
     began = time.perf_counter()
     result = train_private(
-        model, x, y, public, config, s["rounds"],
+        model,
+        x,
+        y,
+        public,
+        config,
+        s["rounds"],
         OptimizerConfig(lr=s["server_lr"], momentum=s["server_momentum"]),
-        delta=DELTA, generator=torch.Generator().manual_seed(args.seed),
+        delta=DELTA,
+        generator=torch.Generator().manual_seed(args.seed),
         noise=NoiseSource(args.seed + 1),
         evaluate_fn=lambda m: evaluate(m, val, task.kind),
     )
@@ -158,11 +178,20 @@ def final_one(args, method: str, point: dict, mode: str, path: Path, run_dir: Pa
     s = settings_of(point)
     noise_free = method == "nonprivate"
     fed = FederationConfig.for_task(
-        "medmnist", medmnist_path=str(path), data_dir=str(SHARED_DATA), mode=mode,
-        mechanism="gp" if noise_free else method, target_epsilon=args.epsilon, delta=DELTA,
-        num_sites=3, seed=args.seed, noise_seed=args.seed + 1,
-        noise_multiplier=0.0 if noise_free else None, run_dir=str(run_dir),
-        run_name=f"{method}-{mode}-{int(time.time())}", **s,
+        "medmnist",
+        medmnist_path=str(path),
+        data_dir=str(SHARED_DATA),
+        mode=mode,
+        mechanism="gp" if noise_free else method,
+        target_epsilon=args.epsilon,
+        delta=DELTA,
+        num_sites=3,
+        seed=args.seed,
+        noise_seed=args.seed + 1,
+        noise_multiplier=0.0 if noise_free else None,
+        run_dir=str(run_dir),
+        run_name=f"{method}-{mode}-{int(time.time())}",
+        **s,
     )
     result = simulate(fed, progress=False)
     last = result.metrics[-1]
@@ -190,8 +219,16 @@ def read_log(args) -> list[dict]:
 
 def key_of(args, stage: str, method: str, point: dict, mode: str = "pooled") -> str:
     return json.dumps(
-        {"stage": stage, "method": method, "point": point, "mode": mode, "train": args.train,
-         "epsilon": args.epsilon, "seed": args.seed, "dataset": args.dataset},
+        {
+            "stage": stage,
+            "method": method,
+            "point": point,
+            "mode": mode,
+            "train": args.train,
+            "epsilon": args.epsilon,
+            "seed": args.seed,
+            "dataset": args.dataset,
+        },
         sort_keys=True,
     )
 
@@ -236,8 +273,10 @@ def write_table(args, records: list[dict]) -> Path:
     ]
     for r in finals:
         p = r["point"]
-        setting = (f"{p['model']}, q={p['sample_rate']}, {p['steps']} rounds, clip "
-                   f"{p['clip']}, lr {p['lr_times_clip'] / p['clip']:g}")
+        setting = (
+            f"{p['model']}, q={p['sample_rate']}, {p['steps']} rounds, clip "
+            f"{p['clip']}, lr {p['lr_times_clip'] / p['clip']:g}"
+        )
         eps = "-" if r["method"] == "nonprivate" else f"{r['epsilon']:.3f}"
         lines.append(
             f"| {r['method']} | {r['mode']} | {setting} | {100 * r['test_accuracy']:.2f} | "
@@ -279,12 +318,20 @@ def main(argv=None) -> int:
                 key = key_of(args, "tune", method, point)
                 if key in done:
                     continue
-                record = {"key": key, "stage": "tune", "method": method, "point": point,
-                          **tune_one(args, method, point, path)}
+                record = {
+                    "key": key,
+                    "stage": "tune",
+                    "method": method,
+                    "point": point,
+                    **tune_one(args, method, point, path),
+                }
                 append(args, record)
                 records.append(record)
-                print(f"tune {method} {point}: val balanced "
-                      f"{100 * record['val_balanced_accuracy']:.2f}", flush=True)
+                print(
+                    f"tune {method} {point}: val balanced "
+                    f"{100 * record['val_balanced_accuracy']:.2f}",
+                    flush=True,
+                )
     if args.stage in ("final", "all"):
         path = cut_file(args.dataset, args.train, "test", args.seed, folder)
         best = winners(records)
@@ -294,14 +341,22 @@ def main(argv=None) -> int:
             key = key_of(args, "final", method, point, mode)
             if key in done:
                 continue
-            record = {"key": key, "stage": "final", "method": method, "point": point,
-                      "mode": mode, **final_one(args, method, point, mode, path,
-                                               folder / "runs")}
+            record = {
+                "key": key,
+                "stage": "final",
+                "method": method,
+                "point": point,
+                "mode": mode,
+                **final_one(args, method, point, mode, path, folder / "runs"),
+            }
             append(args, record)
             records.append(record)
-            print(f"final {method} {mode}: test acc {100 * record['test_accuracy']:.2f} "
-                  f"balanced {100 * record['test_balanced_accuracy']:.2f} "
-                  f"(majority {100 * record['majority_rate']:.2f})", flush=True)
+            print(
+                f"final {method} {mode}: test acc {100 * record['test_accuracy']:.2f} "
+                f"balanced {100 * record['test_balanced_accuracy']:.2f} "
+                f"(majority {100 * record['majority_rate']:.2f})",
+                flush=True,
+            )
     print(write_table(args, records).read_text())
     return 0
 

@@ -116,13 +116,13 @@ SITE = {
 @pytest.mark.parametrize(
     "node_config, problem",
     [
-        ({"task": "digits", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5},
-         "site-id"),
+        (
+            {"task": "digits", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5},
+            "site-id",
+        ),
         ({**SITE, "ledger-path": None}, "ledger-path"),
-        ({"site-id": "h1", "task": "digits", "ledger-path": "/l.json", "delta": 1e-5},
-         "data-path"),
-        ({"site-id": "h1", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5},
-         "task"),
+        ({"site-id": "h1", "task": "digits", "ledger-path": "/l.json", "delta": 1e-5}, "data-path"),
+        ({"site-id": "h1", "data-path": "/x.npz", "ledger-path": "/l.json", "delta": 1e-5}, "task"),
         ({**SITE, "delta": None}, "delta"),
         (SITE, "epsilon-budget"),
         ({**SITE, "epsilon-budget": -1.0}, "epsilon-budget"),
@@ -132,8 +132,7 @@ SITE = {
         ({**SITE, "epsilon-budget": 1.0, "accept-modes": "client,trusting"}, "accept-modes"),
         ({**SITE, "epsilon-budget": 1.0, "release-metrics": "yes"}, "release-metrics"),
         ({**SITE, "epsilon-budget": 1.0, "max-local-steps": 0}, "max-local-steps"),
-        ({**SITE, "epsilon-budget": 1.0, "max-augmentation-copies": 65},
-         "max-augmentation-copies"),
+        ({**SITE, "epsilon-budget": 1.0, "max-augmentation-copies": 65}, "max-augmentation-copies"),
     ],
 )
 def test_bad_node_config_is_named(node_config, problem):

@@ -27,8 +27,7 @@ def test_processes_computing_the_same_cached_features_at_once_all_succeed(tmp_pa
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     workers = [
-        context.Process(target=_features, args=(str(tmp_path), barrier, results))
-        for _ in range(2)
+        context.Process(target=_features, args=(str(tmp_path), barrier, results)) for _ in range(2)
     ]
     for w in workers:
         w.start()

@@ -23,8 +23,15 @@ TASK = "folder_task:FolderDigits"
 
 def tiny(tmp_path, **settings) -> FederationConfig:
     base = dict(
-        task=TASK, rounds=2, local_steps=1, num_basis=8, num_public=100, sample_rate=0.5,
-        noise_seed=1, run_dir=str(tmp_path / "runs"), run_name="r",
+        task=TASK,
+        rounds=2,
+        local_steps=1,
+        num_basis=8,
+        num_public=100,
+        sample_rate=0.5,
+        noise_seed=1,
+        run_dir=str(tmp_path / "runs"),
+        run_name="r",
     )
     return FederationConfig.for_task(**{**base, **settings})
 
@@ -65,8 +72,23 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_with_a_line_per_site(tm
     folders = write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
     for png in Path(tmp_path).rglob("*.png"):
         png.write_bytes(b"not a png")
-    args = ["simulate", "--task", TASK, "--rounds", "2", "--local-steps", "1", "--num-basis",
-            "8", "--num-public", "100", "--run-dir", str(tmp_path / "runs"), "--run-name", "r"]
+    args = [
+        "simulate",
+        "--task",
+        TASK,
+        "--rounds",
+        "2",
+        "--local-steps",
+        "1",
+        "--num-basis",
+        "8",
+        "--num-public",
+        "100",
+        "--run-dir",
+        str(tmp_path / "runs"),
+        "--run-name",
+        "r",
+    ]
     for name, path in folders.items():
         args += ["--site-data", f"{name}={path}"]
     checked = gep_fed(*args)

@@ -88,9 +88,7 @@ def make_server(tmp_path, built_task, **settings) -> FederationServer:
     fed = FederationConfig(**{**base, **settings})
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(
-        fed, built_task, run, total_examples=len(built_task.train_dataset())
-    )
+    return FederationServer(fed, built_task, run, total_examples=len(built_task.train_dataset()))
 
 
 def round_message(server, rnd, rc_changes=None, record_changes=None, state=None, basis=None):
@@ -229,9 +227,7 @@ def test_a_model_crafted_to_overflow_on_chosen_examples_learns_nothing_from_erro
     assert refused(reply, "malformed round")
 
 
-def test_a_deleted_or_forged_ledger_stops_the_site_and_is_not_recreated(
-    tmp_path, digits, hospital
-):
+def test_a_deleted_or_forged_ledger_stops_the_site_and_is_not_recreated(tmp_path, digits, hospital):
     """Point 6: no silent restart at zero; an edit without the key is detected."""
     server = make_server(tmp_path, digits)
     reply, _ = answer(round_message(server, 1), hospital, server.cfg)
@@ -458,9 +454,7 @@ def test_a_node_config_without_a_task_is_a_clear_error_at_the_site(tmp_path, dig
     assert refused(reply, "malformed round")
 
 
-def test_an_example_with_a_label_the_task_lacks_is_dropped_not_an_error(
-    tmp_path, digits, hospital
-):
+def test_an_example_with_a_label_the_task_lacks_is_dropped_not_an_error(tmp_path, digits, hospital):
     """Point 2: two site data sets that differ in one label (a valid 1 against 10, which the
     10-class task lacks) both give an ordinary release; the bad example gets clip factor 0,
     exactly as if it were absent."""
@@ -483,19 +477,36 @@ def test_an_example_with_a_label_the_task_lacks_is_dropped_not_an_error(
     # both rounds accounted alike: 2 steps each, in one ledger
     assert site_ledger(hospital).steps == 4
     # the dropped example contributes nothing: sums equal those without it
-    site = Site("s", digits.build_model(), digits.site_dataset(str(bad)),
-                SitePolicy(epsilon_budget=1.0, delta=1e-5))
+    site = Site(
+        "s",
+        digits.build_model(),
+        digits.site_dataset(str(bad)),
+        SitePolicy(epsilon_budget=1.0, delta=1e-5),
+    )
     assert site.dataset.problem(7).startswith("target 10")
     plan = server.plan_round(1)
-    site.load_state(wire.decode_state(
-        {k: wire.as_wire_array(v) for k, v in plan.state.items()}, site.model.state_dict()))
+    site.load_state(
+        wire.decode_state(
+            {k: wire.as_wire_array(v) for k, v in plan.state.items()}, site.model.state_dict()
+        )
+    )
     mech = plan.config.privacy.build_mechanism()
     with_bad = clipped_sums_of_batches(
-        site.model, site.loss_fn, site.batches(torch.arange(400)), site.layout, mech,
-        server.subspace)
+        site.model,
+        site.loss_fn,
+        site.batches(torch.arange(400)),
+        site.layout,
+        mech,
+        server.subspace,
+    )
     without = clipped_sums_of_batches(
-        site.model, site.loss_fn, site.batches(torch.tensor([i for i in range(400) if i != 7])),
-        site.layout, mech, server.subspace)
+        site.model,
+        site.loss_fn,
+        site.batches(torch.tensor([i for i in range(400) if i != 7])),
+        site.layout,
+        mech,
+        server.subspace,
+    )
     assert torch.allclose(with_bad.residual, without.residual, atol=1e-6)
     assert torch.allclose(with_bad.embedding, without.embedding, atol=1e-6)
 
@@ -538,9 +549,12 @@ def test_a_layout_naming_a_parameter_twice_or_regrouped_is_refused(
     server = make_server(tmp_path, digits, mode=mode)
     site = {**hospital, "accept-modes": "client,central"}
     layout = server.layout.to_dict()
-    twice = {**layout, "names": layout["names"] + layout["names"][:1],
-             "shapes": layout["shapes"] + layout["shapes"][:1],
-             "groups": layout["groups"] + [["again", layout["names"][:1]]]}
+    twice = {
+        **layout,
+        "names": layout["names"] + layout["names"][:1],
+        "shapes": layout["shapes"] + layout["shapes"][:1],
+        "groups": layout["groups"] + [["again", layout["names"][:1]]],
+    }
     regrouped = {**layout, "groups": [["all", layout["names"]]]}
     for changed in (twice, regrouped):
         msg = round_message(server, 1, record_changes={"layout": json.dumps(changed)})

@@ -162,9 +162,7 @@ def test_bgep_bias_is_exactly_the_dropped_residual():
     leftover = bias + dropped.sum(0) / expected
     sub = subspace.to("cpu", torch.float64)
     assert float(torch.linalg.vector_norm(leftover - sub.lift(sub.embed(leftover[None]))[0])) < 1e-6
-    assert_chi_square(
-        chi_square(leftover, bgep, subspace, trials, expected), subspace.num_basis
-    )
+    assert_chi_square(chi_square(leftover, bgep, subspace, trials, expected), subspace.num_basis)
     assert float(torch.linalg.vector_norm(dropped.sum(0))) > 0.1  # the bias is real
 
 

@@ -29,9 +29,7 @@ def site(tmp_path, labels=None, ledger=True) -> dict:
 
 
 def node_config_string(config: dict) -> str:
-    return " ".join(
-        f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in config.items()
-    )
+    return " ".join(f'{k}="{v}"' if isinstance(v, str) else f"{k}={v}" for k, v in config.items())
 
 
 def test_a_ready_site_passes_its_check(tmp_path, capsys):
