@@ -2,6 +2,7 @@
 authentication: a real SuperLink, three SuperNodes, `flwr run` in central, client and
 distributed mode."""
 
+import json
 import os
 import re
 import socket
@@ -136,8 +137,6 @@ def wait_for_round(run_dir: Path, rnd: int, timeout: float = 300) -> list[dict]:
 def stop_running_runs(env: dict) -> int:
     """``flwr stop`` every run the SuperLink still lists as running (as the guide says to
     do after the coordinator's ServerApp died); returns how many were stopped."""
-    import json
-
     listed = run_bash("flwr ls hospitals --format json", env, timeout=60)
     assert listed.returncode == 0, listed.stderr[-2000:]
     running = [r for r in json.loads(listed.stdout)["runs"] if r["status"] == "running"]
@@ -193,6 +192,17 @@ def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(federat
     assert all(r["applied"] and r["sites_ok"] >= 2 for r in rows)
     ledger = PrivacyLedger.load(run_dir / "ledger.json")
     assert [e.round for e in ledger.events] == [1, 2, 3]  # nothing lost, nothing twice
+    # a run that needs all three hospitals while one is down updates nothing: `flwr run`
+    # exits 0 whatever the run did, so Flower's own record must say it failed, and why
+    short = command.replace("rounds=3", "rounds=1").replace("min-sites=2", "min-sites=3")
+    short = short.replace("run-name='faults'", "run-name='short'")
+    assert run_bash(short, env, timeout=600).returncode == 0
+    listed = run_bash("flwr ls hospitals --format json", env, timeout=60)
+    failed = [r for r in json.loads(listed.stdout)["runs"] if r["status"] == "finished:failed"]
+    assert len(failed) == 1 and "not updated in round(s) 1" in failed[0]["status-details"]
+    short_run = RunDirectory(deploy / "runs" / "short")
+    assert [r["applied"] for r in short_run.read_metrics()] == [False]
+    assert PrivacyLedger.load(short_run.ledger_path).steps == 0
 
 
 @pytest.mark.slow

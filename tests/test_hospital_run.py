@@ -98,7 +98,7 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_with_a_line_per_site(tm
     ran = gep_fed(*args, "--drop-bad-examples")
     assert ran.returncode == 1
     failed = [x for x in ran.stderr.splitlines() if x.startswith("FAILED:")]
-    assert "no site's reply was accepted in round(s) 1-2" in failed[0]
+    assert "the model was not updated in round(s) 1-2" in failed[0]
     for name in folders:
         (line,) = [x for x in failed if x.startswith(f"FAILED: {name}:")]
         assert "refused in every round" in line and "site error: DataError" in line

@@ -18,6 +18,7 @@ from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.rundir import RunDirectory
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.mechanism import GEP
 
@@ -182,6 +183,44 @@ def test_a_site_with_an_exhausted_budget_refuses_and_the_others_go_on(tmp_path):
     assert PrivacyLedger.load(spent, key).steps == 95  # nothing more recorded, nothing lost
     site0 = tmp_path / "r" / "sites" / "site-0" / "ledger.json"
     assert PrivacyLedger.load_keyed(site0).steps == 4
+
+
+def test_rounds_without_enough_valid_replies_fail_the_run_on_every_path(tmp_path):
+    """min_sites=2 of 2 sites and one site over budget: no round updates the model. The
+    ServerApp as deployed (``flwr run``) raises, so Flower records the run as failed, and
+    ``simulate``'s result (what ``gep-fed simulate`` exits 1 on) names the same rounds;
+    metrics and ledgers stay."""
+    from flwr.simulation import run_simulation
+
+    from gep_fed.flower.clientapp import make_client_app
+    from gep_fed.flower.serverapp import RunFailedError, make_server_app
+    from gep_fed.flower.simulation import SimulationResult, simulated_site_settings
+
+    fed = FederationConfig(
+        mode="client",
+        rounds=2,
+        noise_multiplier=1.0,
+        num_sites=2,
+        min_sites=2,
+        run_dir=str(tmp_path),
+        run_name="r",
+        **FAST,
+    )
+    spent = tmp_path / "r" / "sites" / "site-1" / "ledger.json"
+    key = create_ledger_key(default_key_path(spent))
+    PrivacyLedger(1e-5, None, "site-1", spent, key=key).record(GEP.event(1.0, 0.2, 95))
+    with pytest.raises(RunFailedError, match=r"not updated in round\(s\) 1-2") as raised:
+        run_simulation(
+            server_app=make_server_app(fed, progress=False),
+            client_app=make_client_app(fed, simulated_site_settings(fed)),
+            num_supernodes=2,
+        )
+    assert "at most 1 in those rounds" in str(raised.value)
+    rows = RunDirectory(tmp_path / "r").read_metrics()
+    assert [(r["sites_ok"], r["applied"]) for r in rows] == [(1, False), (1, False)]
+    assert PrivacyLedger.load(spent, key).steps == 95
+    result = SimulationResult(tmp_path / "r", rows, None, 0.0)
+    assert result.failures() == [str(raised.value)]
 
 
 def test_simulated_sites_accept_the_work_their_own_simulation_asks():

@@ -367,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--allow-site-failures",
         action="store_true",
-        help="exit 0 even when a round had no accepted reply or a site was refused in every "
-        "round (the failures are still printed)",
+        help="exit 0 even when a round did not update the model (fewer valid replies than "
+        "--min-sites) or a site was refused in every round (the failures are still printed)",
     )
     sim.add_argument(
         "--site-data",

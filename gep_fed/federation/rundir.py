@@ -28,6 +28,32 @@ class RunDirectoryError(ValueError):
     """The run directory is missing, not a run directory, or damaged."""
 
 
+def round_spans(rounds: list) -> str:
+    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
+    values = sorted(r for r in rounds if isinstance(r, int))
+    out, start = [], None
+    for i, r in enumerate(values):
+        if start is None:
+            start = r
+        if i + 1 == len(values) or values[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out) or "?"
+
+
+def rounds_not_applied(metrics: list[dict]) -> str | None:
+    """One line naming the rounds whose replies did not update the global model (fewer valid
+    ones than ``min_sites``, or an abandoned secure sum), or None when every round did."""
+    missed = [r for r in metrics if not r.get("applied", bool(r.get("sites_ok")))]
+    if not missed:
+        return None
+    most = max(r.get("sites_ok", 0) for r in missed)
+    return (
+        f"the model was not updated in round(s) {round_spans([r['round'] for r in missed])}: "
+        f"too few valid replies (at most {most} in those rounds)"
+    )
+
+
 class RunDirectory:
     """One run's outputs under ``path``."""
 

@@ -18,7 +18,7 @@ from gep_fed.federation.policy import (
     DEFAULT_MAX_AUGMENTATION_COPIES,
     DEFAULT_MAX_LOCAL_STEPS,
 )
-from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.rundir import RunDirectory, round_spans, rounds_not_applied
 from gep_fed.federation.site import pooled_shares
 from gep_fed.mechanisms.per_example import validate_model
 from gep_fed.validation import ConfigError
@@ -39,12 +39,11 @@ class SimulationResult:
     site_rounds: dict[str, list[dict]] = field(default_factory=dict)
 
     def failures(self) -> list[str]:
-        """One line per problem that makes the run a failure: a round with no accepted
-        reply, a site refused in every round it was asked (with its cause)."""
-        lines = []
-        empty = [r["round"] for r in self.metrics if not r.get("sites_ok")]
-        if empty:
-            lines.append(f"no site's reply was accepted in round(s) {_spans(empty)}")
+        """One line per problem that makes the run a failure: rounds that did not update the
+        model (too few valid replies), a site refused in every round it was asked (with its
+        cause)."""
+        not_applied = rounds_not_applied(self.metrics)
+        lines = [not_applied] if not_applied else []
         for site, rows in sorted(self.site_rounds.items()):
             refused = [r for r in rows if r["outcome"] != "accepted"]
             if rows and len(refused) == len(rows):
@@ -72,22 +71,9 @@ def site_line(rows: list[dict]) -> str:
         return f"accepted in {len(rows)} round(s)"
     parts = []
     for (reason, cause), rounds in sorted(refused.items(), key=lambda kv: -len(kv[1])):
-        parts.append(f"round(s) {_spans(rounds)}: {reason}" + (f": {cause}" if cause else ""))
+        parts.append(f"round(s) {round_spans(rounds)}: {reason}" + (f": {cause}" if cause else ""))
     accepted = len(rows) - sum(len(v) for v in refused.values())
     return "; ".join(parts) + (f"; accepted in {accepted} round(s)" if accepted else "")
-
-
-def _spans(rounds: list) -> str:
-    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
-    values = sorted(r for r in rounds if isinstance(r, int))
-    out, start = [], None
-    for i, r in enumerate(values):
-        if start is None:
-            start = r
-        if i + 1 == len(values) or values[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ", ".join(out) or "?"
 
 
 def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
