@@ -123,6 +123,40 @@ def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     assert "only the sites' own ledgers hold it" in (run_dir / "report.md").read_text()
 
 
+def test_a_comparison_with_a_failed_run_marks_it_and_returns_its_failure(tmp_path):
+    """A cell whose rounds updated nothing must not read as a result: the table marks it and
+    lists why, and ``gep-fed compare`` exits 1 on the returned lines."""
+    from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
+    from gep_fed.cli.compare import run_comparison
+    from gep_fed.federation.config import FederationConfig
+    from gep_fed.mechanisms.mechanism import GEP
+
+    base = FederationConfig(
+        rounds=1, local_steps=1, num_sites=2, min_sites=2, num_basis=30, num_public=300
+    )
+    # the second cell (GEP, client mode) meets a site whose budget is already spent
+    spent = tmp_path / "c" / "runs" / "02-client-gep-eps2.0" / "sites" / "site-1" / "ledger.json"
+    key = create_ledger_key(default_key_path(spent))
+    PrivacyLedger(1e-5, None, "site-1", spent, key=key).record(GEP.event(1.0, 0.2, 95))
+    table, failures = run_comparison(
+        base,
+        [2.0],
+        tmp_path,
+        central_reference=False,
+        name="c",
+        mechanisms=("gep",),
+        modes=("client",),
+    )
+    assert failures == [
+        "GEP client, epsilon 2.0: the model was not updated in round(s) 1: too few valid "
+        "replies (at most 1 in those rounds)",
+        "GEP client, epsilon 2.0: site-1: refused in every round (round(s) 1: over budget)",
+    ]
+    assert "| GEP client (FAILED: see below) |" in table
+    assert all(f"- {line}" in table for line in failures)
+    assert "| FedAvg (non-private, clipped) |" in table  # the other cell trained
+
+
 def test_compare_gives_every_mode_the_same_private_steps_by_default():
     """Issue 22: at equal rounds client mode took local_steps times the steps of central
     mode (digits: 100 against 10), which read as if central mode were worse."""

@@ -122,9 +122,11 @@ def run_comparison(
     equal: str = "steps",
     mechanisms: tuple[str, ...] = MECHANISMS,
     modes: tuple[str, ...] = MODES,
-) -> str:
+) -> tuple[str, list[str]]:
     """Run the matrix (``matrix``: modes at equal private steps by default); write
-    ``<out>/<name>.md``, ``.json`` and ``.png``; return the table."""
+    ``<out>/<name>.md``, ``.json`` and ``.png``; return the table and one line per failure
+    of a run (``SimulationResult.failures``: rounds that did not update the model, a site
+    refused in every round), which the table lists too."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-{base.task}"
@@ -154,6 +156,7 @@ def run_comparison(
                 "round_seconds": _mean([m.get("round_seconds") for m in res.metrics]),
                 "round_bytes_per_site": _mean(per_round) / fed.num_sites if per_round else None,
                 "run_dir": str(res.run_dir),
+                "failures": res.failures(),
             }
         )
     if central_reference:
@@ -181,7 +184,13 @@ def run_comparison(
         json.dumps({"config": base.to_record(), "rows": rows}, indent=1)
     )
     _plot(rows, out / f"{name}.png")
-    return table
+    return table, _failed(rows)
+
+
+def _failed(rows: list[dict]) -> list[str]:
+    return [
+        f"{r['setup']}, epsilon {r['epsilon']}: {f}" for r in rows for f in r.get("failures", [])
+    ]
 
 
 def _mean(values: list) -> float | None:
@@ -212,12 +221,16 @@ def _table(base: FederationConfig, rows: list[dict]) -> str:
     for r in rows:
         eps = "inf" if r["epsilon"] is None else f"{r['epsilon']:g}"
         spent = "inf" if r["epsilon"] is None else _fmt(r["epsilon_spent"], 3)
+        setup = r["setup"] + (" (FAILED: see below)" if r.get("failures") else "")
         lines.append(
-            f"| {r['setup']} | {eps} | {_fmt(r['test_accuracy'])} |"
+            f"| {setup} | {eps} | {_fmt(r['test_accuracy'])} |"
             + (f" {_fmt(r['test_auc'])} |" if auc else "")
             + f" {spent} | {r['rounds']} | {r.get('steps', '-')} | {r['seconds']:.0f} |"
             + f" {_fmt(r.get('round_seconds'), 2)} | {_megabytes(r.get('round_bytes_per_site'))} |"
         )
+    failed = _failed(rows)
+    if failed:  # such a cell's accuracy is not that of its setup, trained
+        lines += ["", "Failed runs:", *(f"- {line}" for line in failed)]
     return head + cols + sep + "\n".join(lines) + "\n"
 
 

@@ -335,7 +335,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     _quiet_logs()
     base = federation_config(args)
-    table = run_comparison(
+    table, failures = run_comparison(
         base,
         epsilons=args.epsilons,
         out_dir=args.out,
@@ -345,7 +345,9 @@ def _compare(args: argparse.Namespace) -> int:
         modes=tuple(args.modes),
     )
     print(table)
-    return 0
+    for line in failures:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
         "compare",
         help="run non-private, GP, B-GEP and GEP in each mode on the same data",
         description="Run a matrix of configurations on the same data, sites and seeds and "
-        "write one Markdown table and one plot.",
+        "write one Markdown table and one plot. A run whose rounds did not update the model, "
+        "or whose site was refused in every round, is marked in the table with its cause, "
+        "and the command exits 1.",
     )
     add_federation_options(cmp)
     cmp.add_argument(
