@@ -65,6 +65,7 @@ def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
         "rounds": len(rows),
         "steps": fed.steps_per_party,
         "applied_rounds": sum(bool(r.get("applied")) for r in rows),
+        "failures": result.failures(),
         "seconds": time.perf_counter() - began,
         "round_seconds": sum(r["round_seconds"] for r in rows) / max(len(rows), 1),
         "round_megabytes_per_site": sum(per_round) / max(len(rows), 1) / fed.num_sites / 2**20,

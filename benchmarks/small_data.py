@@ -202,6 +202,7 @@ def final_one(args, method: str, point: dict, mode: str, path: Path, run_dir: Pa
         "majority_rate": last["test_majority_rate"],
         "epsilon": last.get("epsilon"),
         "sites_ok": [r["sites_ok"] for r in result.metrics],
+        "failures": result.failures(),
         "seconds": result.seconds,
     }
 
