@@ -68,7 +68,7 @@ def test_batchnorm_in_a_users_model_is_refused_by_name_on_the_server(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_simulation_whose_sites_all_fail_exits_nonzero_with_a_line_per_site(tmp_path):
+def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed(tmp_path):
     folders = write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
     for png in Path(tmp_path).rglob("*.png"):
         png.write_bytes(b"not a png")
@@ -105,6 +105,22 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_with_a_line_per_site(tm
     (rounds,) = [x for x in ran.stdout.splitlines() if x.strip().startswith("rounds")]
     assert "2 of 2: replies accepted from every site in 0 round(s)" in rounds
     assert "from none in 2; the model was updated in 0" in rounds
+    # the hospitals fix their files and run the same command: the unapplied rounds were not
+    # checkpointed, so the run resumes before round 1 and plays both again, now a success
+    write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
+    fixed = gep_fed(*args, "--drop-bad-examples")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert not [x for x in fixed.stderr.splitlines() if x.startswith("FAILED:")]
+    (rounds,) = [x for x in fixed.stdout.splitlines() if x.strip().startswith("rounds")]
+    assert "2 of 2: replies accepted from every site in 2 round(s)" in rounds
+    assert "from none in 0; the model was updated in 2" in rounds
+    metrics = RunDirectory(tmp_path / "runs" / "r").read_metrics()
+    assert [(r["round"], r["applied"]) for r in metrics] == [
+        (1, False),
+        (2, False),
+        (1, True),
+        (2, True),
+    ]
 
 
 @pytest.mark.slow

@@ -130,6 +130,7 @@ def _site_data(pairs: list[str] | None) -> dict[str, str] | None:
 
 def _print_summary(fed, result, wall: float) -> None:
     from gep_fed.cli.report import best_model_line, replies_line
+    from gep_fed.federation.rundir import latest_attempts
     from gep_fed.flower.simulation import site_line
 
     rows_run = result.metrics
@@ -145,7 +146,7 @@ def _print_summary(fed, result, wall: float) -> None:
             f"{last.get('test_auroc', float('nan')):.4f}; majority class "
             f"{last.get('test_majority_rate', float('nan')):.4f})",
         ),
-        ("rounds", f"{len(rows_run)} of {fed.rounds}: {replies_line(rows_run)}"),
+        ("rounds", f"{len(latest_attempts(rows_run))} of {fed.rounds}: {replies_line(rows_run)}"),
         ("mode / mechanism", f"{fed.mode} / {fed.mechanism}"),
     ]
     best = best_model_line(rows_run)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gep_fed.accounting.events import pld_text
 from gep_fed.accounting.ledger import PrivacyLedger
-from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory
+from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory, latest_attempts
 from gep_fed.flower.simulation import read_site_rounds, site_line
 
 # (metric keys drawn together, y label, file): the task's metrics on the server's test data
@@ -82,7 +82,9 @@ def best_model_line(rows: list[dict]) -> str | None:
 
 
 def replies_line(rows: list[dict]) -> str:
-    """How many rounds had accepted replies from every asked site, from some, from none."""
+    """How many rounds had accepted replies from every asked site, from some, from none
+    (each round's latest attempt: a resumed run plays an unapplied round again)."""
+    rows = latest_attempts(rows)
     asked = [r.get("sites_asked", r.get("sites_ok", 0)) for r in rows]
     ok = [r.get("sites_ok", 0) for r in rows]
     every = sum(o == a and o > 0 for o, a in zip(ok, asked, strict=True))

@@ -41,10 +41,18 @@ def round_spans(rounds: list) -> str:
     return ", ".join(out) or "?"
 
 
+def latest_attempts(metrics: list[dict]) -> list[dict]:
+    """Each round's last row, in round order. A round that did not update the model is not
+    checkpointed, so a resumed run plays it again and the metrics hold both attempts: the
+    later one is the round's outcome."""
+    return sorted({r["round"]: r for r in metrics}.values(), key=lambda r: r["round"])
+
+
 def rounds_not_applied(metrics: list[dict]) -> str | None:
     """One line naming the rounds whose replies did not update the global model (fewer valid
-    ones than ``min_sites``, or an abandoned secure sum), or None when every round did."""
-    missed = [r for r in metrics if not r.get("applied", bool(r.get("sites_ok")))]
+    ones than ``min_sites``, or an abandoned secure sum), or None when every round did
+    (in its latest attempt, see ``latest_attempts``)."""
+    missed = [r for r in latest_attempts(metrics) if not r.get("applied", bool(r.get("sites_ok")))]
     if not missed:
         return None
     most = max(r.get("sites_ok", 0) for r in missed)
