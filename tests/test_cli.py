@@ -171,3 +171,30 @@ def test_compare_gives_every_mode_the_same_private_steps_by_default():
     by_rounds = matrix(base, [2.0], equal="rounds")
     assert {fed.rounds for _, fed in by_rounds} == {10}
     assert {fed.steps_per_party for _, fed in by_rounds if fed.mode == "central"} == {10}
+
+
+def test_a_round_played_again_on_resume_is_reported_by_its_latest_attempt():
+    """An unapplied round is not checkpointed, so a resumed run plays it again and the
+    metrics hold both attempts: the summary, the report and the failure check read the
+    later one, and an earlier round without update still fails the run."""
+    from gep_fed.cli.report import best_model_line, replies_line
+    from gep_fed.federation.rundir import rounds_not_applied
+
+    def row(round_, applied, accuracy):
+        return {
+            "round": round_,
+            "sites_ok": 2 if applied else 1,
+            "sites_asked": 2,
+            "applied": applied,
+            "val_accuracy": accuracy,
+            "test_accuracy": accuracy,
+            "best_round": round_,
+        }
+
+    rows = [row(1, True, 0.5), row(2, False, 0.1), row(2, True, 0.7)]
+    assert rounds_not_applied(rows) is None
+    line = replies_line(rows)
+    assert "every site in 2 round(s), from some in 0" in line and "updated in 2" in line
+    assert "accuracy 0.7000): test accuracy 0.7000" in best_model_line(rows)
+    missed = rounds_not_applied([row(1, False, 0.1), row(2, True, 0.7)])
+    assert missed.startswith("the model was not updated in round(s) 1:")

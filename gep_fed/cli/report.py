@@ -72,7 +72,7 @@ def best_model_line(rows: list[dict]) -> str | None:
     best = rows[-1].get("best_round") if rows else None
     if best is None:
         return None
-    row = next(r for r in rows if r["round"] == best)
+    row = next(r for r in latest_attempts(rows) if r["round"] == best)
     return (
         f"round {best} (validation balanced accuracy {_f(row.get('val_balanced_accuracy'))}, "
         f"accuracy {_f(row.get('val_accuracy'))}): test accuracy {_f(row.get('test_accuracy'))}, "
