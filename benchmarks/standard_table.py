@@ -185,6 +185,26 @@ def goal_text(dataset: str, records: list[dict], goal: tuple[float, float | None
     return text
 
 
+def lever_bases(tunes: list[dict]) -> list[tuple[dict, dict, dict | None]]:
+    """Each lever run with its base setting and the validation run of that setting it is
+    compared with (None if not logged): the same method, model, epsilon, TAN and seed."""
+
+    def run_of(r: dict, setting: dict) -> str:
+        model = [r.get("features"), r.get("head"), r.get("epsilon")]
+        key = [r["method"], *model, setting, r.get("tan", 1), r.get("seed", 0)]
+        return json.dumps(key, sort_keys=True)
+
+    by_key = {run_of(r, r["setting"]): r for r in tunes}
+    out = []
+    for r in tunes:
+        if r.get("lever"):
+            base_setting = r.get("base") or {
+                k: v for k, v in r["setting"].items() if k not in r["lever"]
+            }
+            out.append((r, base_setting, by_key.get(run_of(r, base_setting))))
+    return out
+
+
 def seed_spread(tunes: list[dict]) -> list[tuple[dict, list[float]]]:
     """Validation accuracies of each tuning setting run at two or more seeds, in log order:
     ``(first record, accuracies)``. A seed changes the Poisson samples and the noise, so the
@@ -513,16 +533,7 @@ def write_table(
             "val acc with lever | change |",
             "|---|---|---|---|---|---|---|---|",
         ]
-
-        def run_of(r: dict, setting: dict) -> str:
-            return json.dumps([r["method"], setting, r.get("tan", 1), r.get("seed", 0)])
-
-        by_key = {run_of(r, json.dumps(r["setting"], sort_keys=True)): r for r in tunes}
-        for r in levers:
-            base_setting = r.get("base") or {
-                k: v for k, v in r["setting"].items() if k not in r["lever"]
-            }
-            base = by_key.get(run_of(r, json.dumps(base_setting, sort_keys=True)))
+        for r, base_setting, base in lever_bases(tunes):
             base_acc = None if base is None else base["accuracy"]
             change = "-" if base_acc is None else f"{100 * (r['accuracy'] - base_acc):+.2f}"
             lever = ", ".join(f"{k}={v:g}" for k, v in r["lever"].items())

@@ -500,3 +500,28 @@ def test_the_augmentation_lever_is_tried_on_images_and_not_on_scatternet_feature
     assert first.copies == 4
     torch.testing.assert_close(first.augment(images), again.augment(images))
     assert not torch.equal(first.augment(images), images)
+
+
+def test_a_lever_is_compared_with_its_base_at_the_same_epsilon_and_model():
+    """The same setting tuned at epsilon 8 and 3 (or on another model) is three runs: a
+    lever at epsilon 8 reads its base's epsilon-8 accuracy, whichever was logged last."""
+    import standard_table
+
+    def tune(acc, epsilon=8.0, head="resnet20", **more):
+        return {
+            "method": "gep",
+            "stage": "tune",
+            "features": "raw",
+            "head": head,
+            "epsilon": epsilon,
+            "tan": 8,
+            "seed": 0,
+            "setting": {"clip": 0.1, **more},
+            "accuracy": acc,
+        }
+
+    lever = {**tune(0.36, ema=0.99), "lever": {"ema": 0.99}}
+    records = [tune(0.33), lever, tune(0.31, epsilon=3.0), tune(0.40, head="cnn")]
+    ((run, base_setting, base),) = standard_table.lever_bases(records)
+    assert run is lever and base_setting == {"clip": 0.1}
+    assert base["accuracy"] == 0.33
