@@ -786,8 +786,9 @@ def parse_args(argv=None):
         "--seed",
         type=int,
         default=0,
-        help="of the Poisson samples and the noise (with --stage levers, the grid's winner is "
-        "read at seed 0 and run again at this seed beside its levers)",
+        help="of the Poisson samples and the noise (with --stage final or levers, the grid's "
+        "winner is read at seed 0, where the grid was tuned, and retrained or run again beside "
+        "its levers at this seed: the spread of a chosen setting over seeds)",
     )
     ap.add_argument(
         "--max-chunk",
@@ -958,12 +959,10 @@ def main(argv=None) -> int:
         if args.stage in ("tune", "all"):
             tuned = [run(method, s, "tune") for _, s in chosen]
         else:
-            # levers stand on the grid as tuned (seed 0, TAN --grid-tan); at another seed or
-            # TAN its winner runs again beside them
-            grid_args = (
-                argparse.Namespace(**{**vars(args), "seed": 0, "tan": args.grid_tan})
-                if levers_stage
-                else args
+            # the grid is tuned once, at seed 0 (levers: at TAN --grid-tan); another seed
+            # retrains its winner, or runs it again beside its levers
+            grid_args = argparse.Namespace(
+                **{**vars(args), "seed": 0, "tan": args.grid_tan if levers_stage else args.tan}
             )
             keys = [run_key(grid_args, method, s, "tune") for s in grid]
             tuned = [done[k] for k in keys if k in done]

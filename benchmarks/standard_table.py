@@ -146,7 +146,11 @@ def lever_rows(records: list[dict]) -> list[dict]:
     and Opacus, each method with its lever final where it has one there, else its grid's
     winner at that length. Only cells holding a lever final."""
     cells: dict[tuple, dict] = {}
-    finals = [r for r in records if r["stage"] == "final" and r["method"] in GAP_METHODS]
+    finals = [
+        r
+        for r in records
+        if r["stage"] == "final" and r["method"] in GAP_METHODS and r.get("seed", 0) == 0
+    ]
     for r in sorted(finals, key=lambda r: bool(r.get("lever"))):  # a lever final wins its cell
         cell = _cell(cells, r, r["setting"]["epochs"], levers={})
         cell[f"{r['method']}_test"] = r["accuracy"]
@@ -234,6 +238,29 @@ def _cell(cells: dict[tuple, dict], r: dict, epochs: int | None, **more) -> dict
     )
 
 
+def final_seed_rows(records: list[dict]) -> list[dict]:
+    """Validation winners retrained at several seeds (``standard.py --stage final --seed N``):
+    per (target epsilon, model, epochs) each method's test accuracies by seed, and, where GEP,
+    GP and Opacus each have one, GEP's mean minus the better DP-SGD mean (``gap``, else None).
+    Only cells where some method has two or more seeds; lever finals are left out."""
+    cells: dict[tuple, dict] = {}
+    for r in records:
+        if r["stage"] != "final" or r.get("lever") or r["method"] not in GAP_METHODS:
+            continue
+        cell = _cell(cells, r, r["setting"].get("epochs"), tests={})
+        cell["tests"].setdefault(r["method"], {})[r.get("seed", 0)] = r["accuracy"]
+    rows = []
+    for _, cell in sorted(cells.items()):
+        if max(len(by_seed) for by_seed in cell["tests"].values()) < 2:
+            continue
+        means = {m: statistics.mean(by_seed.values()) for m, by_seed in cell["tests"].items()}
+        gap = None
+        if set(GAP_METHODS) <= set(means):
+            gap = means["gep"] - max(means["gp"], means["opacus"])
+        rows.append({**cell, "means": means, "gap": gap})
+    return rows
+
+
 def _gap_rows(cells: dict[tuple, dict]) -> list[dict]:
     """Per cell, GEP minus the better of GP and Opacus on the test split where all three
     have a final run, else on validation; cells without GEP and both baselines are left out."""
@@ -264,7 +291,8 @@ def sweep_rows(records: list[dict]) -> list[dict]:
             continue
         cell = _cell(cells, r, None)
         if r["stage"] == "final":
-            cell[f"{r['method']}_test"] = r["accuracy"]
+            if r.get("seed", 0) == 0:  # other seeds: ``final_seed_rows``
+                cell[f"{r['method']}_test"] = r["accuracy"]
         elif r.get("seed", 0) == 0:
             key = f"{r['method']}_val"
             cell[key] = max(cell.get(key, 0.0), r["accuracy"])
@@ -278,6 +306,8 @@ def full_length_rows(records: list[dict]) -> list[dict]:
     cells: dict[tuple, dict] = {}
     for r in records:
         if r["stage"] != "final" or r.get("tuned_epochs") is None or r.get("lever"):
+            continue
+        if r.get("seed", 0) != 0:
             continue
         if r["method"] not in GAP_METHODS:
             continue
@@ -370,9 +400,9 @@ def write_table(
         "",
         "## Test accuracy (chosen on validation, tested once)",
         "",
-        "| method | features | tuning grid | epsilon target | chosen setting | val acc | "
+        "| method | features | tuning grid | epsilon target | chosen setting | seed | val acc | "
         "test acc | epsilon RDP | epsilon PLD | sigma | q | steps | train s (wall / CPU) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     finals = [r for r in records if r["stage"] == "final"]
     tunes = [r for r in records if r["stage"] == "tune"]
@@ -383,7 +413,7 @@ def write_table(
             f"| {r['method']} | {feats} | {r.get('grid', '-')}"
             f"{' + levers' if r.get('lever') else ''} | "
             f"{r['epsilon'] if r['epsilon'] is not None else 'inf'} "
-            f"| {fmt_setting(r['method'], r['setting'])} | "
+            f"| {fmt_setting(r['method'], r['setting'])} | {r.get('seed', 0)} | "
             f"{'-' if val is None else f'{100 * val:.2f}'} | {100 * r['accuracy']:.2f} | "
             f"{_eps(r, 'epsilon_rdp')}{opacus_own(r)} | {_eps(r, 'epsilon_pld')} | "
             f"{r['sigma']:.3f} | "
@@ -391,7 +421,7 @@ def write_table(
             f"{r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
         )
     if not finals:
-        lines.append("| (no final run yet) | | | | | | | | | | | | |")
+        lines.append("| (no final run yet) | | | | | | | | | | | | | |")
     lines += [
         "",
         "## Published figures (delta = 1e-5)",
@@ -503,6 +533,33 @@ def write_table(
                 f"At {row['epochs']} epochs, {row['model']}, epsilon {row['epsilon']:g}, "
                 f"with levers ({levers_text(row['levers'])}): GEP - the better of GP and "
                 f"Opacus = {100 * row['gap']:+.2f} points (test).\n"
+            )
+    seeded = final_seed_rows(records)
+    if seeded:
+        lines += [
+            "",
+            "## Spread over seeds (test)",
+            "",
+            "Validation winners (chosen at seed 0) retrained and tested at other seeds too: "
+            "each method's test accuracy by seed, and GEP's mean minus the better DP-SGD mean.",
+            "",
+            "| epsilon | model | epochs | GEP | GP | Opacus | GEP - DP-SGD (means) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+
+        def by_seed(row: dict, method: str) -> str:
+            tests = row["tests"].get(method)
+            if not tests:
+                return "-"
+            runs = ", ".join(f"{100 * a:.2f} (seed {s})" for s, a in sorted(tests.items()))
+            return runs + (f"; mean {100 * row['means'][method]:.2f}" if len(tests) > 1 else "")
+
+        for row in seeded:
+            gap = "-" if row["gap"] is None else f"{100 * row['gap']:+.2f}"
+            lines.append(
+                f"| {row['epsilon']:g} | {row['model']} | {row['epochs']} | "
+                f"{by_seed(row, 'gep')} | {by_seed(row, 'gp')} | {by_seed(row, 'opacus')} | "
+                f"{gap} |"
             )
     spread = seed_spread(tunes)
     if spread:

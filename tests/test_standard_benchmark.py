@@ -439,21 +439,45 @@ def test_the_capture_diagnostic_measures_the_subspace_and_the_clips_it_reports()
     assert tight["embedding_clipped"] == tight["residual_clipped"] == 1.0
 
 
-def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
-    tmp_path, monkeypatch
-):
-    """The grid is tuned at seed 0; ``--stage levers --seed 1`` reads its winner there and runs
-    that winner again at seed 1 beside each lever, so the lever table compares like seeds."""
+def test_finals_at_other_seeds_are_averaged_apart_and_the_sweep_keeps_seed_0():
+    import standard_table
+
+    def at_seed(record, seed):
+        return {**record, "seed": seed}
+
+    seed0 = [_final(m, a) for m, a in (("gep", 0.44), ("gp", 0.36), ("opacus", 0.42))]
+    records = [
+        *seed0,
+        at_seed(_final("gep", 0.40), 1),
+        at_seed(_final("opacus", 0.46), 1),
+        at_seed(_final("gp", 0.40), 1),
+    ]
+    sweep = standard_table.sweep_rows(records)
+    assert [round(100 * r["gap"], 2) for r in sweep] == [2.0]  # seed 0's finals only
+    (row,) = standard_table.final_seed_rows(records)
+    assert row["tests"]["gep"] == {0: 0.44, 1: 0.40}
+    # GEP's mean 42 against Opacus's 44 (GP's 38): the seed-0 win does not hold on average
+    assert round(100 * row["gap"], 2) == -2.0
+    # one seed everywhere: nothing to spread
+    assert standard_table.final_seed_rows(seed0) == []
+
+
+RESNET_TAN8 = ["--dataset", "cifar10", "--features", "raw", "--grid", "resnet", "--tan", "8"]
+
+
+def _gp_grid_tuned_at_seed_0(tmp_path, monkeypatch) -> tuple[list[dict], list[tuple]]:
+    """A log in ``tmp_path`` holding GP's ResNet grid tuned at seed 0 and TAN 8 (its last
+    setting best), and runs faked: returns the grid and the list each run is recorded in as
+    ``(method, setting, stage, seed)``; a setting with a warm start scores higher."""
     import json
 
-    base = ["--dataset", "cifar10", "--features", "raw", "--grid", "resnet", "--tan", "8"]
     grid = standard.GRIDS[("raw", "resnet")]["gp"]
-    args0 = standard.parse_args(base)
+    args0 = standard.parse_args(RESNET_TAN8)
     with open(tmp_path / "cifar10.jsonl", "w") as fh:
         for i, setting in enumerate(grid):
             key = standard.run_key(args0, "gp", setting, "tune")
             record = {"key": key, "setting": setting, "accuracy": 0.3 + 0.01 * i, "seed": 0}
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json.dumps({**record, "cpu_seconds": 1.0}) + "\n")
     ran = []
 
     def fake_run(args, data, method, setting, stage):
@@ -465,6 +489,29 @@ def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
     monkeypatch.setattr(standard, "Data", lambda args: None)
     monkeypatch.setattr(standard, "run_one", fake_run)
     monkeypatch.setattr(standard, "write_table", lambda dataset, out: tmp_path / "cifar10.jsonl")
+    return grid, ran
+
+
+def test_a_final_at_another_seed_retrains_the_winner_of_the_grid_tuned_at_seed_0(
+    tmp_path, monkeypatch
+):
+    grid, ran = _gp_grid_tuned_at_seed_0(tmp_path, monkeypatch)
+    final = ["--stage", "final", "--methods", "gp", "--out", str(tmp_path)]
+    standard.main([*RESNET_TAN8, *final, "--seed", "2"])
+    assert ran == [("gp", grid[-1], "final", 2)]
+    standard.main([*RESNET_TAN8, *final, "--seed", "2"])  # logged: not run again
+    assert len(ran) == 1
+
+
+def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
+    tmp_path, monkeypatch
+):
+    """The grid is tuned at seed 0; ``--stage levers --seed 1`` reads its winner there and runs
+    that winner again at seed 1 beside each lever, so the lever table compares like seeds."""
+    import json
+
+    base = RESNET_TAN8
+    grid, ran = _gp_grid_tuned_at_seed_0(tmp_path, monkeypatch)
     levers = ["--stage", "levers", "--levers", "warm", "--methods", "gp", "--out", str(tmp_path)]
     standard.main([*base, *levers, "--seed", "1"])
     winner = grid[-1]
