@@ -173,7 +173,13 @@ LEVERS = {
         {"private_quantile": 0.8},
         {"private_quantile": 0.2},
         {"private_quantile": 0.95},
+        # GEP's public knobs (no privacy cost): k, the anchors spanning it, how often it is
+        # recomputed, and one subspace for the whole model instead of one per layer group
         {"k": 300},
+        {"k": 2000},
+        {"anchors": 1000},
+        {"refresh": 5},
+        {"param_groups": "one"},
         {"s2_ratio": 0.3},
         {"warm": 10},
         {"warm": 10, "warm_public": 10000},
@@ -187,6 +193,11 @@ LEVERS = {
         {"aug": 4},
     ),
 }
+
+
+# GEP's parameter groups by name: the layer-aware default (input layer, each stage, output
+# layer, as in the GEP paper) or every parameter in one group
+PARAM_GROUPS = {"layers": None, "one": {"all": ["*"]}}
 
 
 def lever_applies(args, lever: dict) -> bool:
@@ -623,6 +634,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 residual_quantile=adaptive,
                 quantile_count_noise=count_run,
                 max_chunk=args.max_chunk,
+                groups=PARAM_GROUPS[setting.get("param_groups", "layers")],
             )
             result = train_private(
                 model,

@@ -92,6 +92,8 @@ def fmt_setting(method: str, s: dict) -> str:
         parts.append(f"S1={s['clip']:g}")
     if method in ("gep", "bgep"):
         parts.append(f"k={s['k']} m={s['anchors']} R={s['refresh']}")
+    if s.get("param_groups"):
+        parts.append(f"groups={s['param_groups']}")
     if s.get("past"):
         parts.append(f"past={s['past']}")
     if s.get("ema"):

@@ -530,6 +530,16 @@ def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
     assert key["tan"] == 1
 
 
+def test_geps_one_group_lever_spans_one_subspace_for_the_whole_resnet():
+    from gep_fed.data.models import resnet20_gn
+    from gep_fed.mechanisms import ParameterLayout
+
+    model = resnet20_gn()
+    layers = ParameterLayout.from_model(model, standard.PARAM_GROUPS["layers"])
+    one = ParameterLayout.from_model(model, standard.PARAM_GROUPS["one"])
+    assert len(layers.groups) == 5 and len(one.groups) == 1  # input, 3 stages, output
+
+
 def test_the_augmentation_lever_is_tried_on_images_and_not_on_scatternet_features():
     """Crops and flips mean something for raw images only; on them the lever averages each
     example over 4 copies, drawn from the run's seed."""
