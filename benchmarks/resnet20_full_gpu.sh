@@ -10,16 +10,17 @@
 #   bash benchmarks/resnet20_full_gpu.sh [MINUTES] [EPOCHS...]
 # MINUTES defaults to 8. Without EPOCHS, a two-epoch timing chooses the length (up to 200);
 # with EPOCHS, each length runs at once, all lengths side by side, each in $OUT/e<EPOCHS>.
-# From the environment: METHODS (default "gep gp opacus"), and LEVERS (e.g. "warm": each
-# method's validation winner among its grid plus those levers; a method whose levers lost to
-# its grid on validation gets no run). Carry .whl, .device-data and, for warm starts, .warm-cache.
+# From the environment: METHODS (default "gep gp opacus"), EPSILON (default 8; the grid tuned
+# at that epsilon), SEED (default 0; another retrains the seed-0 winners at that seed), and
+# LEVERS (e.g. "warm": each method's validation winner among its grid plus those levers; a
+# method whose levers lost to its grid on validation gets no run; seed 0 only). Carry .whl, .device-data and, for warm starts, .warm-cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/device_setup.sh /tmp/resnet20_full
 common=(--device cuda --minutes "${1:-8}" --threads 4 --methods ${METHODS:-gep gp opacus}
   ${LEVERS:+--levers $LEVERS})
-standard=(-- --dataset cifar10 --features raw --grid resnet --epsilon 8 --tan 8 --data-dir "$data"
-  "${warm_cache[@]}")
+standard=(-- --dataset cifar10 --features raw --grid resnet --epsilon "${EPSILON:-8}" --tan 8
+  --seed "${SEED:-0}" --data-dir "$data" "${warm_cache[@]}")
 if [ $# -le 1 ]; then
   exec "$python" benchmarks/full_length.py "${common[@]}" --epochs 200 --out "$out" "${standard[@]}"
 fi
