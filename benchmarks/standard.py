@@ -78,7 +78,7 @@ from gep_fed.data.scatternet import scatter_cache_dir
 from gep_fed.mechanisms import calibrate_noise_multiplier, mechanism_class
 from gep_fed.mechanisms.multiplicity import AugmentationMultiplicity
 from gep_fed.mechanisms.noise import NoiseSource
-from gep_fed.training import OptimizerConfig, train_nonprivate, train_private
+from gep_fed.training import Checkpoint, OptimizerConfig, train_nonprivate, train_private
 
 DELTA = 1e-5
 OUT = RESULTS / "standard"
@@ -542,15 +542,23 @@ def optimizer_config(setting: dict) -> OptimizerConfig:
     )
 
 
-def multiplicity(args, setting: dict) -> AugmentationMultiplicity | None:
+def multiplicity(args, setting: dict) -> tuple[AugmentationMultiplicity | None, tuple]:
     """The ``aug`` lever: random crops (4 pixels, reflected) and flips, drawn from the run's
-    seed (the augmentation's randomness has no privacy meaning)."""
+    seed (the augmentation's randomness has no privacy meaning), and the generator they are
+    drawn from (saved with the run's checkpoints)."""
     if not setting.get("aug"):
-        return None
+        return None, ()
     draws = torch.Generator().manual_seed(args.seed + 2)
-    return AugmentationMultiplicity(
-        setting["aug"], functools.partial(crop_and_flip, padding=4, generator=draws)
-    )
+    augment = functools.partial(crop_and_flip, padding=4, generator=draws)
+    return AugmentationMultiplicity(setting["aug"], augment), (draws,)
+
+
+def checkpoint(args, method: str, setting: dict, stage: str, generators: tuple) -> Checkpoint:
+    """Where a run keeps its state every ``--checkpoint-minutes`` under ``--checkpoints``, so
+    that a run cut off by a session's end resumes there (a file per run key)."""
+    name = hashlib.sha256(run_key(args, method, setting, stage).encode()).hexdigest()[:24]
+    path = Path(args.checkpoints) / f"{name}.ckpt"
+    return Checkpoint(path, 60 * args.checkpoint_minutes, generators)
 
 
 def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
@@ -636,6 +644,10 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 max_chunk=args.max_chunk,
                 groups=PARAM_GROUPS[setting.get("param_groups", "layers")],
             )
+            augmentation, augmentation_draws = multiplicity(args, setting)
+            saves = checkpoint(args, method, setting, stage, augmentation_draws)
+            if saves.path.exists():
+                print(f"  resuming from {saves.path}", flush=True)
             result = train_private(
                 model,
                 x,
@@ -649,11 +661,14 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 noise=NoiseSource(args.seed + 1),
                 public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
                 average_iterates=setting.get("ema"),
-                multiplicity=multiplicity(args, setting),
+                multiplicity=augmentation,
                 evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
                 on_step=clock.tick,
+                checkpoint=saves,
             )
             accuracy, ledger = result.accuracy, result.ledger
+            if result.resumed_at:  # the seconds and the pace are of the later steps only
+                rec["resumed_at_step"] = result.resumed_at
             rec["ledger_epsilon_rdp"] = ledger.epsilon()
         rec.update(clock.pace())
         rec["epsilon_rdp"], rec["epsilon_pld"] = epsilons(mech, sigma, q_run, steps, count_run)
@@ -848,6 +863,17 @@ def parse_args(argv=None):
         default=str(scatter_cache_dir().parent / "warm"),
         help="public warm starts, kept for reuse (public data only: no privacy cost)",
     )
+    ap.add_argument(
+        "--checkpoints",
+        default=str(scatter_cache_dir().parent / "checkpoints"),
+        help="where GEP and GP runs keep their state, to resume where a cut-off run stopped",
+    )
+    ap.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=5.0,
+        help="minutes between a run's checkpoints",
+    )
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument(
         "--levers",
@@ -877,6 +903,8 @@ def parse_args(argv=None):
         args.val_size = DATASETS[args.dataset]["val_size"]
     if args.grid_tan is None:
         args.grid_tan = args.tan
+    if not args.checkpoint_minutes > 0:
+        raise SystemExit(f"--checkpoint-minutes must be > 0, got {args.checkpoint_minutes}")
     if args.lever_final and (args.seed, args.tan) != (0, args.grid_tan):
         raise SystemExit(
             f"--lever-final with --seed {args.seed} --tan {args.tan}: levers are chosen at seed "

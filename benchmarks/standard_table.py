@@ -123,6 +123,18 @@ def _eps(rec: dict, which: str) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
+def _resumed(rec: dict) -> int:
+    """The step a run resumed from a checkpoint after (0: run whole)."""
+    return rec.get("resumed_at_step", 0)
+
+
+def _seconds(rec: dict) -> str:
+    """Wall / CPU seconds; a run resumed from a checkpoint timed only its later steps."""
+    text = f"{rec['seconds']:.0f} / {rec['cpu_seconds']:.0f}"
+    start = _resumed(rec)
+    return text if not start else f"{text} (steps {start + 1}-{rec['steps']}: resumed)"
+
+
 def opacus_own(rec: dict) -> str:
     v = rec.get("epsilon_opacus_rdp")
     return "" if v is None else f" (Opacus' accountant: {v:.3f})"
@@ -420,7 +432,7 @@ def write_table(
             f"{_eps(r, 'epsilon_rdp')}{opacus_own(r)} | {_eps(r, 'epsilon_pld')} | "
             f"{r['sigma']:.3f} | "
             f"{'-' if r['q'] is None else format(r['q'], '.4f')} | {r['steps']} | "
-            f"{r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
+            f"{_seconds(r)} |"
         )
     if not finals:
         lines.append("| (no final run yet) | | | | | | | | | | | | | |")
@@ -461,7 +473,7 @@ def write_table(
             f"| {r['method']} | {feats} | {fmt_setting(r['method'], r['setting'])} | "
             f"{r.get('tan', 1)} | {r.get('seed', 0)} | {100 * r['accuracy']:.2f} | {eps_run} | "
             f"{eps_t} | {sig} | "
-            f"{r['steps']} | {r['seconds']:.0f} / {r['cpu_seconds']:.0f} |"
+            f"{r['steps']} | {_seconds(r)} |"
         )
     sweep = [r for r in sweep_rows(records) if r["params"]]
     if len({r["model"] for r in sweep}) > 1:
@@ -618,11 +630,13 @@ def write_table(
             )
     total_wall = sum(r["seconds"] for r in records)
     total_cpu = sum(r["cpu_seconds"] for r in records)
+    resumed = "; resumed runs: their later steps only" if any(map(_resumed, records)) else ""
     lines += [
         "",
         f"{len(records)} runs logged ({len(tunes)} tuning, {len(finals)} final): "
         f"{total_wall / 60:.0f} min wall, {total_cpu / 60:.0f} min CPU in training "
-        "(feature extraction excluded: 1-3 min once per data set, cached).",
+        "(feature extraction excluded: 1-3 min once per data set, cached"
+        f"{resumed}).",
     ]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -551,10 +551,10 @@ def test_the_augmentation_lever_is_tried_on_images_and_not_on_scatternet_feature
     assert standard.lever_applies(raw, {"aug": 4})
     assert not standard.lever_applies(features, {"aug": 4})
     assert standard.lever_applies(features, {"ema": 0.99})
-    assert standard.multiplicity(raw, {"lr": 1.0}) is None
+    assert standard.multiplicity(raw, {"lr": 1.0}) == (None, ())
     images = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    first, again = (standard.multiplicity(raw, {"aug": 4}) for _ in range(2))
-    assert first.copies == 4
+    (first, draws), (again, _) = (standard.multiplicity(raw, {"aug": 4}) for _ in range(2))
+    assert first.copies == 4 and len(draws) == 1  # its generator, for the checkpoints
     torch.testing.assert_close(first.augment(images), again.augment(images))
     assert not torch.equal(first.augment(images), images)
 
@@ -582,3 +582,25 @@ def test_a_lever_is_compared_with_its_base_at_the_same_epsilon_and_model():
     ((run, base_setting, base),) = standard_table.lever_bases(records)
     assert run is lever and base_setting == {"clip": 0.1}
     assert base["accuracy"] == 0.33
+
+
+def test_each_run_keeps_its_own_checkpoint_and_its_table_row_says_when_it_resumed(tmp_path):
+    import standard_table
+
+    args = standard.parse_args([*RESNET_TAN8, "--checkpoints", str(tmp_path)])
+    setting = standard.GRIDS[("raw", "resnet")]["gep"][0]
+    first = standard.checkpoint(args, "gep", setting, "tune", ())
+    assert first.path.parent == tmp_path and first.interval == 300
+    assert standard.checkpoint(args, "gep", setting, "tune", ()).path == first.path
+    others = [
+        standard.checkpoint(args, "gp", setting, "tune", ()),
+        standard.checkpoint(args, "gep", setting, "final", ()),
+        standard.checkpoint(args, "gep", {**setting, "aug": 4}, "tune", ()),
+    ]
+    assert len({c.path for c in [first, *others]}) == 4
+    record = {"seconds": 120.4, "cpu_seconds": 100.0, "steps": 300}
+    assert standard_table._seconds(record) == "120 / 100"
+    resumed = {**record, "resumed_at_step": 180}
+    assert standard_table._seconds(resumed) == "120 / 100 (steps 181-300: resumed)"
+    with pytest.raises(SystemExit, match="--checkpoint-minutes must be > 0"):
+        standard.parse_args([*RESNET_TAN8, "--checkpoint-minutes", "0"])

@@ -43,5 +43,26 @@ class NoiseSource:
         noise.normal_(0.0, std, generator=self._generator(like.device))
         return noise
 
+    def state_dict(self) -> dict:
+        """The generators' states, to resume a seeded run exactly; empty for a cryptographic
+        source, whose state written to a file would let its reader reproduce the noise."""
+        if not self.seeded:
+            return {}
+        return {
+            "seed": self.seed,
+            "generators": {k: g.get_state() for k, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the streams ``state_dict`` saved (a cryptographic source keeps its own)."""
+        if not self.seeded or not state:
+            return
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"noise state of seed {state['seed']} given to a source of seed {self.seed}"
+            )
+        for key, gen_state in state["generators"].items():
+            self._generator(torch.device(key)).set_state(gen_state)
+
     def __repr__(self) -> str:
         return f"NoiseSource(seed={self.seed})" if self.seeded else "NoiseSource(cryptographic)"

@@ -159,6 +159,44 @@ class GEPStep:
         self._steps_since_refresh = 0
         return result
 
+    @property
+    def _own_subspace(self) -> bool:
+        """The step computes its subspace from its public data (not given by a server)."""
+        return self.mechanism.uses_subspace and not self._external_subspace
+
+    @property
+    def refresh_due(self) -> bool:
+        """The next step recomputes the anchor subspace (so the current one need not be kept)."""
+        return self._own_subspace and (
+            self.subspace is None or self._steps_since_refresh >= self.config.basis_refresh
+        )
+
+    def state_dict(self) -> dict:
+        """What this step carries from one call to the next, to resume a run exactly: the
+        public anchor subspace while it is still in use, the past releases it also spans,
+        the clips (adapted ones included) and a seeded noise source's streams. The ledger
+        is its owner's to save. Released or public values only, apart from the noise state
+        of a seeded (test or benchmark) source."""
+        keep = self._own_subspace and not self.refresh_due
+        return {
+            "anchor_subspace": self._anchor_subspace if keep else None,
+            "steps_since_refresh": self._steps_since_refresh,
+            "released": list(self._released),
+            "mechanism": self.mechanism,
+            "noise": self.noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict``'s state (the model and ledger restored by their owner)."""
+        device = next(self.model.parameters()).device
+        subspace = state["anchor_subspace"]
+        self.subspace = self._anchor_subspace = None if subspace is None else subspace.to(device)
+        self._steps_since_refresh = state["steps_since_refresh"]
+        self._released.clear()
+        self._released.extend(r.to(device) for r in state["released"])
+        self.mechanism = state["mechanism"]
+        self.noise.load_state_dict(state["noise"])
+
     def private_projection_error(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Share of a private batch's gradient energy outside the current subspace.
 
@@ -221,13 +259,8 @@ class GEPStep:
                 1, count_noise=self.config.count_noise, party=self.party, round=self.round
             )
         )
-        refreshed = None
-        needs_basis = self.mechanism.uses_subspace and not self._external_subspace
-        if needs_basis and (
-            self.subspace is None or self._steps_since_refresh >= self.config.basis_refresh
-        ):
-            refreshed = self.refresh_subspace()
-        if needs_basis and self._released:
+        refreshed = self.refresh_subspace() if self.refresh_due else None
+        if self._own_subspace and self._released:
             self.subspace = self._anchor_subspace.with_directions(list(self._released))
         sums = self.clipped_sums(batches)
         noisy = self.mechanism.add_noise(sums, self.noise, self.config.count_noise)
