@@ -309,3 +309,12 @@ def test_a_ledger_save_fsyncs_its_directory_after_the_rename(tmp_path, monkeypat
     ledger.record(GP.event(1.0, 0.1, 1))
     renamed = calls.index(("replace", str(tmp_path / "l.json")))
     assert ("fsync", "dir") in calls[renamed + 1 :]
+
+
+def test_our_rdp_orders_are_dp_accountings_default_orders():
+    # written out so that importing gep_fed does not import dp-accounting (a second)
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    from gep_fed.accounting.events import RDP_ORDERS
+
+    assert list(RDP_ORDERS) == list(DEFAULT_RDP_ORDERS)

@@ -198,3 +198,17 @@ def test_a_round_played_again_on_resume_is_reported_by_its_latest_attempt():
     assert "accuracy 0.7000): test accuracy 0.7000" in best_model_line(rows)
     missed = rounds_not_applied([row(1, False, 0.1), row(2, True, 0.7)])
     assert missed.startswith("the model was not updated in round(s) 1:")
+
+
+def test_the_command_lines_help_imports_neither_dp_accounting_nor_opacus():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gep_fed.cli.main import main\n"
+        "try: main(['--help'])\n"
+        "except SystemExit: pass\n"
+        "print(sorted(m for m in ('dp_accounting', 'opacus') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

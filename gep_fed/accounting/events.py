@@ -14,21 +14,38 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
-from dp_accounting import pld, rdp
 
 from gep_fed.validation import DELTA, NOISE_MULTIPLIER, PROBABILITY
+
+if TYPE_CHECKING:
+    import dp_accounting
 
 # dp-accounting logs a warning for each fractional RDP order whose series does not converge
 # and then excludes that order: the result is still a valid bound, so the noise is dropped.
 logging.getLogger("absl").addFilter(lambda record: "failed to converge" not in record.getMessage())
 
-# dp-accounting's default orders (1.1 to 10.9 by 0.1, 11 to 63, 128 to 1024): a superset of
-# Opacus' RDP orders, with high orders for small epsilons after many steps.
-RDP_ORDERS: tuple[float, ...] = tuple(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+# dp-accounting's default orders (1.1 to 10.9 by 0.1, 11 to 63, 128 to 1024; a test pins them
+# to its DEFAULT_RDP_ORDERS): a superset of Opacus' RDP orders, with high orders for small
+# epsilons after many steps.
+RDP_ORDERS: tuple[float, ...] = tuple(
+    [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+)
 PLD_DISCRETIZATION = 1e-4
+
+
+def _dp():
+    """dp-accounting, imported at first use: it takes about a second, which the command
+    line's help and its errors need not pay."""
+    import dp_accounting
+    import dp_accounting.pld
+    import dp_accounting.rdp
+
+    return dp_accounting
+
+
 # Distributed releases: the highest order at which Poisson subsampling is applied.
 SUBSAMPLED_MAX_ORDER = 256
 MIN_NOISE_MULTIPLIER = 1e-3
@@ -131,17 +148,18 @@ class PrivacyEvent:
         return self.placement == "distributed"
 
     def dp_event(self) -> dp_accounting.DpEvent:
+        dp = _dp()
         if self.is_distributed:  # dp-accounting has no event for a subsampled sum of shares
-            return dp_accounting.UnsupportedDpEvent()
+            return dp.UnsupportedDpEvent()
         if self.accounting_noise_multiplier == 0:
-            return dp_accounting.NonPrivateDpEvent()
-        gaussian = dp_accounting.GaussianDpEvent(self.accounting_noise_multiplier)
+            return dp.NonPrivateDpEvent()
+        gaussian = dp.GaussianDpEvent(self.accounting_noise_multiplier)
         single = (
             gaussian
             if self.sample_rate == 1
-            else dp_accounting.PoissonSampledDpEvent(self.sample_rate, gaussian)
+            else dp.PoissonSampledDpEvent(self.sample_rate, gaussian)
         )
-        return dp_accounting.SelfComposedDpEvent(single, self.steps)
+        return dp.SelfComposedDpEvent(single, self.steps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -190,7 +208,7 @@ def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
     if any(e.is_distributed for e in events):
         raise ValueError("distributed releases have no dp-accounting event: use epsilon_rdp")
     parts = [_gaussian_event(sigma, q, steps).dp_event() for sigma, q, *_, steps in _merged(events)]
-    return dp_accounting.ComposedDpEvent(parts)
+    return _dp().ComposedDpEvent(parts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,7 +216,7 @@ def _step_rdp(accounting_sigma: float, sample_rate: float) -> np.ndarray:
     """dp-accounting's RDP curve (at ``RDP_ORDERS``) of one release, cached: composing
     ``steps`` equal releases multiplies it by ``steps`` (RDP composes additively)."""
     single = _gaussian_event(accounting_sigma, sample_rate, 1).dp_event()
-    curve = rdp.RdpAccountant(RDP_ORDERS).compose(single).rdp
+    curve = _dp().rdp.RdpAccountant(RDP_ORDERS).compose(single).rdp
     curve.flags.writeable = False
     return curve
 
@@ -217,10 +235,11 @@ def distributed_step_rdp(l2_scale: float, tau: float, dimension: int, sample_rat
     """
 
     def unsampled(orders: np.ndarray) -> np.ndarray:
-        accountant = functools.partial(rdp.RdpAccountant, list(map(float, orders)))
-        plain = accountant().compose(dp_accounting.ZCDpEvent(l2_scale**2 / 2, tau * dimension))
+        dp = _dp()
+        accountant = functools.partial(dp.rdp.RdpAccountant, list(map(float, orders)))
+        plain = accountant().compose(dp.ZCDpEvent(l2_scale**2 / 2, tau * dimension))
         spread = (l2_scale + tau * math.sqrt(dimension)) ** 2 / 2
-        return np.minimum(plain.rdp, accountant().compose(dp_accounting.ZCDpEvent(spread)).rdp)
+        return np.minimum(plain.rdp, accountant().compose(dp.ZCDpEvent(spread)).rdp)
 
     curve = unsampled(np.asarray(RDP_ORDERS))
     if sample_rate < 1:  # amplified up to order 256 (the cost grows with its square)
@@ -283,7 +302,7 @@ def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
             return math.inf
         curve = distributed_step_rdp(scale, tau, dimension, q) if dimension else _step_rdp(sigma, q)
         total = total + steps * curve
-    eps, _ = rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)
+    eps, _ = _dp().rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)
     return float(eps)
 
 
@@ -296,7 +315,7 @@ def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
         return 0.0
     if any(e.is_distributed for e in events):
         return math.nan
-    accountant = pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    accountant = _dp().pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     return float(accountant.compose(compose(events)).get_epsilon(delta))
 
 
@@ -368,14 +387,13 @@ def calibrate(
         )
     if eps(MIN_NOISE_MULTIPLIER) <= target_epsilon:
         return MIN_NOISE_MULTIPLIER
-    sigma = dp_accounting.calibrate_dp_mechanism(
-        lambda: rdp.RdpAccountant(RDP_ORDERS),
+    dp = _dp()
+    sigma = dp.calibrate_dp_mechanism(
+        lambda: dp.rdp.RdpAccountant(RDP_ORDERS),
         lambda s: event_for(s).dp_event(),
         target_epsilon,
         delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(
-            MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER
-        ),
+        bracket_interval=dp.ExplicitBracketInterval(MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER),
         tol=tol,
     )
     # Brent's root may sit a hair on the wrong side of the target: step up until it meets it.

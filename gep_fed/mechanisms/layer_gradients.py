@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import torch
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
-from opacus.grad_sample.grad_sample_module import GradSampleModule
 from torch import nn
 from torch.func import vmap
 
@@ -33,6 +31,16 @@ from gep_fed.mechanisms.groups import ParameterLayout
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Rule = Callable[[nn.Module, list[torch.Tensor], torch.Tensor], dict[nn.Parameter, torch.Tensor]]
+
+
+def _opacus() -> tuple[dict[type, Rule], Rule]:
+    """Opacus's layer rules by layer type and its ``torch.func`` fallback, imported when a
+    model is first served: importing Opacus takes most of a second, which the command line's
+    help and errors need not pay."""
+    from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+    from opacus.grad_sample.grad_sample_module import GradSampleModule
+
+    return GradSampleModule.GRAD_SAMPLERS, ft_compute_per_sample_gradient
 
 
 class LayerEngineUnavailable(RuntimeError):
@@ -58,13 +66,15 @@ def _served_layers(model: nn.Module) -> Iterator[ServedLayer]:
     """Opacus's walk: a module with a rule is served by it; one that owns parameters without
     a rule is served whole by ``torch.func`` (its sub-modules included)."""
 
+    rules, fallback = _opacus()
+
     def walk(name: str, module: nn.Module) -> Iterator[ServedLayer]:
-        rule = GradSampleModule.GRAD_SAMPLERS.get(type(module))
+        rule = rules.get(type(module))
         if rule is not None and any(p.requires_grad for p in module.parameters()):
             yield ServedLayer(name, module, rule, fallback=False)
             return
         if _owns_trainable(module):
-            yield ServedLayer(name or "<root>", module, ft_compute_per_sample_gradient, True)
+            yield ServedLayer(name or "<root>", module, fallback, True)
             return
         for child_name, child in module.named_children():
             yield from walk(f"{name}.{child_name}" if name else child_name, child)
@@ -292,7 +302,7 @@ def _rule_for(layer: ServedLayer, activation: torch.Tensor) -> Rule:
         and module.stride == (1, 1)
         and 16 <= module.in_channels // module.groups <= 32
     ):
-        return ft_compute_per_sample_gradient
+        return _opacus()[1]
     return layer.rule
 
 
@@ -305,7 +315,7 @@ def layer_engines(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
     def capture(layer: ServedLayer):
         def hook(_module, args, output):
             rule = _rule_for(layer, args[0])
-            how = "torch.func" if rule is ft_compute_per_sample_gradient else "rule"
+            how = "torch.func" if rule is _opacus()[1] else "rule"
             found[layer.name] = f"{type(layer.module).__name__}: {how}"
 
         return hook
