@@ -161,9 +161,7 @@ def lever_rows(records: list[dict]) -> list[dict]:
     winner at that length. Only cells holding a lever final."""
     cells: dict[tuple, dict] = {}
     finals = [
-        r
-        for r in records
-        if r["stage"] == "final" and r["method"] in GAP_METHODS and r.get("seed", 0) == 0
+        r for r in records if r["stage"] == "final" and r["method"] in GAP_METHODS and _at_seed_0(r)
     ]
     for r in sorted(finals, key=lambda r: bool(r.get("lever"))):  # a lever final wins its cell
         cell = _cell(cells, r, r["setting"]["epochs"], levers={})
@@ -238,6 +236,12 @@ def seed_spread(tunes: list[dict]) -> list[tuple[dict, list[float]]]:
     return [(first, list(acc.values())) for first, acc in groups.values() if len(acc) > 1]
 
 
+def _at_seed_0(r: dict) -> bool:
+    """Run at seed 0, where the grids are tuned and the comparisons made (seed 0 before the
+    seed was logged); other seeds measure the spread (``final_seed_rows``, ``seed_spread``)."""
+    return r.get("seed", 0) == 0
+
+
 def _cell(cells: dict[tuple, dict], r: dict, epochs: int | None, **more) -> dict:
     """The comparison cell of ``r``'s target epsilon, model and length (None: the grid's)."""
     return cells.setdefault(
@@ -305,9 +309,9 @@ def sweep_rows(records: list[dict]) -> list[dict]:
             continue
         cell = _cell(cells, r, None)
         if r["stage"] == "final":
-            if r.get("seed", 0) == 0:  # other seeds: ``final_seed_rows``
+            if _at_seed_0(r):  # other seeds: ``final_seed_rows``
                 cell[f"{r['method']}_test"] = r["accuracy"]
-        elif r.get("seed", 0) == 0:
+        elif _at_seed_0(r):
             key = f"{r['method']}_val"
             cell[key] = max(cell.get(key, 0.0), r["accuracy"])
     return _gap_rows(cells)
@@ -321,9 +325,7 @@ def full_length_rows(records: list[dict]) -> list[dict]:
     for r in records:
         if r["stage"] != "final" or r.get("tuned_epochs") is None or r.get("lever"):
             continue
-        if r.get("seed", 0) != 0:
-            continue
-        if r["method"] not in GAP_METHODS:
+        if not _at_seed_0(r) or r["method"] not in GAP_METHODS:
             continue
         _cell(cells, r, r["setting"]["epochs"])[f"{r['method']}_test"] = r["accuracy"]
     return _gap_rows(cells)
