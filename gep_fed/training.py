@@ -28,6 +28,7 @@ from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep
 from gep_fed.mechanisms.step_config import GEPConfig
+from gep_fed.validation import NON_NEGATIVE, ConfigError
 
 log = logging.getLogger(__name__)
 _clock = time.monotonic  # when checkpoints are due (replaced in tests)
@@ -41,9 +42,9 @@ class Checkpoint:
     The file holds the model, the optimiser, the ledger of the steps taken and the state of
     the step (``GEPStep.state_dict``); the randomness of the sampling and of a seeded noise
     source only when the caller fixed them (tests and benchmarks: a real run's secret
-    randomness is never written, and resumes from fresh draws). It is the run's private
-    state, like the model: keep it where the training data may be kept. It is removed when
-    the run finishes; a file written for other inputs is refused, never overwritten.
+    randomness is never written, and resumes from fresh draws): post-processing of the
+    noised releases and public data, like the model. It is removed when the run finishes; a
+    file written for other inputs is refused, never overwritten.
 
     Attributes:
         path: the checkpoint file.
@@ -57,6 +58,14 @@ class Checkpoint:
     path: Path
     interval: float = 300.0
     generators: tuple[torch.Generator, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        NON_NEGATIVE.check("checkpoint interval (seconds)", self.interval)
+        for gen in self.generators:
+            if not isinstance(gen, torch.Generator):
+                kind = type(gen).__name__
+                raise ConfigError(f"checkpoint generators must be torch.Generators, got {kind}")
 
 
 @dataclass(frozen=True)

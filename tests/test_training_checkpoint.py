@@ -146,3 +146,15 @@ def test_a_save_waits_for_the_step_before_a_refresh_so_the_subspace_is_not_writt
     state = torch.load(checkpoint.path, weights_only=False)
     assert state["done"] == 3
     assert state["step"]["anchor_subspace"] is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [({"interval": -1.0}, "checkpoint interval"), ({"interval": float("nan")}, "interval"),
+     ({"generators": (3,)}, "torch.Generators, got int")],
+)  # fmt: skip
+def test_bad_checkpoint_settings_are_named(tmp_path, kwargs, named):
+    from gep_fed.validation import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        Checkpoint(tmp_path / "run.ckpt", **kwargs)
