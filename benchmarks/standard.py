@@ -382,16 +382,31 @@ class StepClock:
     run has more than one epoch, its last epoch (one subspace refresh a epoch in these grids,
     no warm-up): the pace ``full_length.py`` plans with."""
 
-    def __init__(self, device: torch.device, steps_per_epoch: int) -> None:
+    def __init__(
+        self, device: torch.device, steps_per_epoch: int, steps: int = 0, report: float = 300.0
+    ) -> None:
         self.device = torch.device(device)
         self.steps_per_epoch = steps_per_epoch
+        self.steps = steps
         self.start = time.perf_counter()
         self.ends: list[float] = []
+        self.report, self.reported = report, self.start
 
-    def tick(self, *_) -> None:
+    def tick(self, step: int | None = None, *_) -> None:
+        """After step ``step`` (counted from 1 over the whole run, a resumed one too; None:
+        the steps of this process)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.ends.append(time.perf_counter())
+        now = time.perf_counter()
+        self.ends.append(now)
+        step = step or len(self.ends)
+        if self.steps and now - self.reported >= self.report:  # progress on long runs
+            self.reported = now
+            left = (self.steps - step) * (now - self.start) / len(self.ends)
+            print(
+                f"  step {step} of {self.steps}, about {left / 60:.0f} min left",
+                flush=True,
+            )
 
     def pace(self) -> dict:
         if not self.ends:
@@ -606,7 +621,7 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
             tan=tan,
             target={"sigma": sigma_target, "q": q, "expected_batch": q * n},
         )
-        clock = StepClock(args.device, steps // setting["epochs"])
+        clock = StepClock(args.device, steps // setting["epochs"], steps)
         if method == "opacus":
             model, rec["epsilon_opacus_rdp"] = train_opacus_poisson(
                 model,

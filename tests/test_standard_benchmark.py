@@ -378,6 +378,18 @@ def test_the_step_clock_gives_the_last_epochs_seconds_without_the_warm_up():
     assert pace["first_step_seconds"] == 5.0 and pace["later_step_seconds"] == 6.0 / 5
 
 
+def test_the_step_clock_reports_progress_on_long_runs_resumed_ones_too(capsys, monkeypatch):
+    now = iter([0.0, 100.0, 400.0, 500.0])
+    monkeypatch.setattr(standard.time, "perf_counter", lambda: next(now))
+    clock = standard.StepClock("cpu", steps_per_epoch=10, steps=100, report=300.0)
+    clock.tick(41)  # resumed after step 40: no report before 300 s
+    assert capsys.readouterr().out == ""
+    clock.tick(42)  # 2 steps in 400 s here: 58 more take about 193 min
+    assert capsys.readouterr().out.strip() == "step 42 of 100, about 193 min left"
+    clock.tick(43)  # reported 100 s ago: quiet
+    assert capsys.readouterr().out == ""
+
+
 def test_the_device_pack_rebuilds_the_cifar_batches_byte_for_byte(tmp_path):
     import device_data
     import numpy as np
