@@ -4,9 +4,10 @@
 # (tuned, then tested once; its winners at more seeds), its public warm start on validation,
 # the CNN at width 4, ResNet20-GN at epsilon 3 (its longer finals need a GPU:
 # benchmarks/resnet20_full_gpu.sh) and at a second seed, weight averaging and GEP's public
-# knobs on ResNet20-GN, and the CNN at width 6. Every run is logged in
-# benchmarks/results/standard/cifar10.jsonl and skipped when logged, so the script picks up
-# where it stopped; it starts no run after MINUTES (default: no limit).
+# knobs on ResNet20-GN, augmentation multiplicity on it, and the CNN at width 6. Every run is
+# logged in benchmarks/results/standard/cifar10.jsonl and skipped when logged, and a GEP or GP
+# run cut off resumes from its last checkpoint, so the script picks up where it stopped; it
+# starts no run after MINUTES (default: no limit).
 #   benchmarks/cifar10_sweep.sh [MINUTES] [THREADS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,9 @@ standard --epsilon 3 --methods "${sweep[@]}" "${resnet[@]}" --stage final --seed
 # DP-SGD's weight averaging, then GEP's public knobs, on validation
 standard --epsilon 8 --methods gep gp "${resnet[@]}" --stage levers --levers ema
 standard --epsilon 8 --methods gep "${resnet[@]}" --stage levers --levers anchors k refresh param_groups
+# De et al.'s augmentation multiplicity (4 crops and flips per example, four times the
+# per-example work: about 2 h a GEP run on 1 thread), for DP-SGD and GEP alike
+standard --epsilon 8 --methods gp gep "${resnet[@]}" --stage levers --levers aug
 # the widest CNN, 968,074 parameters (the issue's ~1M); width 4 took 1.6 h at epsilon 8 on 1 thread
 for eps in 8 3; do
   standard --epsilon "$eps" --methods "${sweep[@]}" --grid cifar --head cnn --width 6 --stage all
