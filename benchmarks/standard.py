@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -706,7 +707,9 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
 
 
 def write_table(dataset: str, out: Path = OUT) -> Path:
-    """``dataset``'s table from its log (``standard_table.write_table``)."""
+    """``dataset``'s table from its log (``standard_table.write_table``), with the table code
+    as it is now: a run of hours must not write the table with the code it started with."""
+    importlib.reload(standard_table)
     return standard_table.write_table(
         dataset,
         read_log(dataset, out, superseded=True),
