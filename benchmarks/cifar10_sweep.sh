@@ -5,10 +5,9 @@
 # the CNN at width 4, ResNet20-GN at epsilon 3 (its longer finals need a GPU:
 # benchmarks/resnet20_full_gpu.sh) and at a second seed, weight averaging and GEP's public
 # knobs on ResNet20-GN, augmentation multiplicity on it, past releases at the real batch, and
-# the CNN at width 6. Every run is
-# logged in benchmarks/results/standard/cifar10.jsonl and skipped when logged, and a GEP or GP
-# run cut off resumes from its last checkpoint, so the script picks up where it stopped; it
-# starts no run after MINUTES (default: no limit).
+# the CNN at width 6. Every run is logged in benchmarks/results/standard/cifar10.jsonl and
+# skipped when logged, and a GEP or GP run cut off resumes from its last checkpoint, so the
+# script picks up where it stopped; it starts no run after MINUTES (default: no limit).
 #   benchmarks/cifar10_sweep.sh [MINUTES] [THREADS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
