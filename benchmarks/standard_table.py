@@ -173,9 +173,13 @@ def lever_rows(records: list[dict]) -> list[dict]:
 
 def levers_text(levers: dict[str, dict]) -> str:
     """``gep: warm=10, warm_public=10000``: each method's levers in a lever row."""
-    return "; ".join(
-        f"{method}: " + ", ".join(f"{k}={v:g}" for k, v in lever.items())
-        for method, lever in levers.items()
+    return "; ".join(f"{method}: {lever_text(lever)}" for method, lever in levers.items())
+
+
+def lever_text(lever: dict) -> str:
+    """``warm=10, warm_public=10000``, ``param_groups=one``: a lever's knobs and values."""
+    return ", ".join(
+        f"{k}={v:g}" if isinstance(v, int | float) else f"{k}={v}" for k, v in lever.items()
     )
 
 
@@ -609,9 +613,9 @@ def write_table(
         for r, base_setting, base in lever_bases(tunes):
             base_acc = None if base is None else base["accuracy"]
             change = "-" if base_acc is None else f"{100 * (r['accuracy'] - base_acc):+.2f}"
-            lever = ", ".join(f"{k}={v:g}" for k, v in r["lever"].items())
             lines.append(
-                f"| {r['method']} | {lever} | {fmt_setting(r['method'], base_setting)} | "
+                f"| {r['method']} | {lever_text(r['lever'])} | "
+                f"{fmt_setting(r['method'], base_setting)} | "
                 f"{r.get('tan', 1)} | {r.get('seed', 0)} | "
                 f"{'-' if base_acc is None else f'{100 * base_acc:.2f}'} | "
                 f"{100 * r['accuracy']:.2f} | "

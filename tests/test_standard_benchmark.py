@@ -616,3 +616,11 @@ def test_each_run_keeps_its_own_checkpoint_and_its_table_row_says_when_it_resume
     assert standard_table._seconds(resumed) == "120 / 100 (steps 181-300: resumed)"
     with pytest.raises(SystemExit, match="--checkpoint-minutes must be > 0"):
         standard.parse_args([*RESNET_TAN8, "--checkpoint-minutes", "0"])
+
+
+def test_a_lever_with_a_named_value_is_written_in_the_tables():
+    import standard_table
+
+    assert standard_table.lever_text({"param_groups": "one"}) == "param_groups=one"
+    assert standard_table.lever_text({"warm": 10, "ema": 0.99}) == "warm=10, ema=0.99"
+    assert standard_table.levers_text({"gep": {"param_groups": "one"}}) == "gep: param_groups=one"
