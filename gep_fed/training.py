@@ -43,8 +43,9 @@ class Checkpoint:
     the step (``GEPStep.state_dict``); the randomness of the sampling and of a seeded noise
     source only when the caller fixed them (tests and benchmarks: a real run's secret
     randomness is never written, and resumes from fresh draws): post-processing of the
-    noised releases and public data, like the model. It is removed when the run finishes; a
-    file written for other inputs is refused, never overwritten.
+    noised releases and public data, like the model, beside the evaluations ``evaluate_fn``
+    made so far (as private as the data it evaluates on). It is removed when the run
+    finishes; a file written for other inputs is refused, never overwritten.
 
     Attributes:
         path: the checkpoint file.
@@ -155,7 +156,10 @@ def train_private(
 
         averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(average_iterates))
     copies = None if multiplicity is None else multiplicity.copies
-    inputs = (x, y, public_x, config, steps, optimizer, average_iterates, copies)
+    # the private data by its shape only: a digest of it would be data-dependent state
+    # outside the guarantee, in a file the guarantee is meant to cover
+    private = [(t.dtype, tuple(t.shape)) for t in (x, y)]
+    inputs = (private, public_x, config, steps, optimizer, average_iterates, copies)
     fingerprint = "" if checkpoint is None else _fingerprint(*inputs)
     loop = _Loop(model, opt, sched, averaged, step, generator, checkpoint, fingerprint)
     start, history = loop.resume()
@@ -184,7 +188,8 @@ def train_private(
 
 
 def _fingerprint(*inputs) -> str:
-    """What a checkpoint must have been written for: the data, the settings, the length."""
+    """What a checkpoint must have been written for: the private data's shapes, the public
+    data, the settings, the length."""
     h = hashlib.sha256()
     for item in inputs:
         if isinstance(item, torch.Tensor):

@@ -47,10 +47,6 @@ def _train(config, checkpoint=None, stop_after=None, lr=0.1, seeded=True, aug=Fa
         )
         checkpoint = checkpoint and Checkpoint(checkpoint.path, checkpoint.interval, (draws,))
 
-    def stop(i, _step):
-        if i == stop_after:
-            raise Interrupted
-
     result = train_private(
         model,
         x,
@@ -65,10 +61,18 @@ def _train(config, checkpoint=None, stop_after=None, lr=0.1, seeded=True, aug=Fa
         multiplicity=multiplicity,
         evaluate_fn=lambda m: {"accuracy": float(m(x).argmax(1).eq(y).float().mean())},
         eval_every=4,
-        on_step=stop,
+        on_step=_stop_after(stop_after),
         checkpoint=checkpoint,
     )
     return result, [p.detach().clone() for p in model.parameters()]
+
+
+def _stop_after(step: int):
+    def stop(i, _step):
+        if i == step:
+            raise Interrupted
+
+    return stop
 
 
 CASES = {
@@ -158,3 +162,28 @@ def test_bad_checkpoint_settings_are_named(tmp_path, kwargs, named):
 
     with pytest.raises(ConfigError, match=named):
         Checkpoint(tmp_path / "run.ckpt", **kwargs)
+
+
+def test_a_checkpoint_carries_no_digest_of_the_private_data(tmp_path):
+    # two private data sets of one shape give one fingerprint: the file depends on the private
+    # data only through the released (noised) state
+    fingerprints = []
+    for shift in (0.0, 1.0):
+        path = tmp_path / f"{shift}.ckpt"
+        x, y, public = _data()
+        with pytest.raises(Interrupted):
+            train_private(
+                nn.Linear(12, 3),
+                x + shift,
+                y,
+                public,
+                _config("gp"),
+                STEPS,
+                OptimizerConfig(),
+                generator=torch.Generator().manual_seed(1),
+                noise=NoiseSource(2),
+                on_step=_stop_after(3),
+                checkpoint=Checkpoint(path, interval=0.0),
+            )
+        fingerprints.append(torch.load(path, weights_only=False)["fingerprint"])
+    assert fingerprints[0] == fingerprints[1]
