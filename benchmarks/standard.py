@@ -180,6 +180,7 @@ LEVERS = {
         {"k": 2000},
         {"anchors": 1000},
         {"refresh": 5},
+        {"refresh": 2},
         {"param_groups": "one"},
         {"s2_ratio": 0.3},
         {"warm": 10},
@@ -199,6 +200,18 @@ LEVERS = {
 # GEP's parameter groups by name: the layer-aware default (input layer, each stage, output
 # layer, as in the GEP paper) or every parameter in one group
 PARAM_GROUPS = {"layers": None, "one": {"all": ["*"]}}
+
+
+def lever_selected(lever: dict, wanted: list[str] | None) -> bool:
+    """Whether ``--levers`` picks ``lever``: by a knob it sets (``refresh``) or by a knob and
+    its value (``refresh=5``); no ``--levers`` picks every lever."""
+    if wanted is None:
+        return True
+    for item in wanted:
+        knob, _, value = item.partition("=")
+        if knob in lever and (not value or str(lever[knob]) == value):
+            return True
+    return False
 
 
 def lever_applies(args, lever: dict) -> bool:
@@ -897,8 +910,9 @@ def parse_args(argv=None):
         "--levers",
         nargs="+",
         default=None,
-        metavar="KNOB",
-        help="with --stage levers: only the levers that set one of these knobs (e.g. warm ema)",
+        metavar="KNOB[=VALUE]",
+        help="with --stage levers: only the levers that set one of these knobs (e.g. warm ema), "
+        "or set it to this value (e.g. refresh=5)",
     )
     ap.add_argument(
         "--grid-tan",
@@ -921,6 +935,14 @@ def parse_args(argv=None):
         args.val_size = DATASETS[args.dataset]["val_size"]
     if args.grid_tan is None:
         args.grid_tan = args.tan
+    for item in args.levers or ():
+        if not any(lever_selected(lever, [item]) for levers in LEVERS.values() for lever in levers):
+            known = sorted(
+                {f"{k}={v}" for levers in LEVERS.values() for lv in levers for k, v in lv.items()}
+            )
+            raise SystemExit(
+                f"--levers {item}: no lever sets that; the levers are {', '.join(known)}"
+            )
     if not args.checkpoint_minutes > 0:
         raise SystemExit(f"--checkpoint-minutes must be > 0, got {args.checkpoint_minutes}")
     if args.lever_final and (args.seed, args.tan) != (0, args.grid_tan):
@@ -1046,8 +1068,7 @@ def main(argv=None) -> int:
                         {"lever": lever, "base": best["setting"]},
                     )
                     for lever in LEVERS.get(method, ())
-                    if (args.levers is None or set(lever) & set(args.levers))
-                    and lever_applies(args, lever)
+                    if lever_selected(lever, args.levers) and lever_applies(args, lever)
                 ]
                 tried = [r for r in tried if r is not None]
                 winner = max(tried, key=lambda r: r["accuracy"], default=None)

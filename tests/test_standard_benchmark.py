@@ -624,3 +624,18 @@ def test_a_lever_with_a_named_value_is_written_in_the_tables():
     assert standard_table.lever_text({"param_groups": "one"}) == "param_groups=one"
     assert standard_table.lever_text({"warm": 10, "ema": 0.99}) == "warm=10, ema=0.99"
     assert standard_table.levers_text({"gep": {"param_groups": "one"}}) == "gep: param_groups=one"
+
+
+def test_levers_are_picked_by_knob_or_by_knob_and_value_and_an_unknown_one_is_named(
+    tmp_path, monkeypatch
+):
+    grid, ran = _gp_grid_tuned_at_seed_0(tmp_path, monkeypatch)
+    levers = ["--stage", "levers", "--methods", "gp", "--out", str(tmp_path)]
+    standard.main([*RESNET_TAN8, *levers, "--levers", "ema=0.99"])
+    assert [r[1] for r in ran] == [{**grid[-1], "ema": 0.99}]
+    assert standard.lever_selected({"refresh": 5}, ["refresh"])
+    assert not standard.lever_selected({"refresh": 5}, ["refresh=2"])
+    assert standard.lever_selected({"param_groups": "one"}, ["param_groups=one"])
+    for bad in ("refresh=3", "momentum"):
+        with pytest.raises(SystemExit, match=f"--levers {bad}: no lever sets that"):
+            standard.parse_args([*RESNET_TAN8, *levers, "--levers", bad])
