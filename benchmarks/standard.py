@@ -181,6 +181,7 @@ LEVERS = {
         {"anchors": 1000},
         {"refresh": 5},
         {"refresh": 2},
+        {"refresh": 1},  # the GEP paper's: a subspace every step
         {"param_groups": "one"},
         {"s2_ratio": 0.3},
         {"warm": 10},
