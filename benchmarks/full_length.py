@@ -142,9 +142,9 @@ def main(argv=None) -> int:
         "--levers",
         nargs="+",
         default=None,
-        metavar="KNOB",
+        metavar="KNOB[=VALUE]",
         help="retrain each method's validation winner among its grid plus these levers "
-        "(standard.py --stage levers --levers KNOB --lever-final), e.g. warm",
+        "(standard.py --stage levers --levers ... --lever-final), e.g. warm or refresh=5",
     )
     ap.add_argument("--log", type=Path, default=None, help="the log holding the tuning runs")
     ap.add_argument("--out", type=Path, required=True, help="the results and the runs' output")
