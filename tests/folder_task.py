@@ -37,6 +37,13 @@ class FolderDigits(DigitsTask):
         return CountedFolders(data_path, TRANSFORM, classes=CLASSES)
 
 
+class InferredFolderDigits(DigitsTask):
+    """As ``FolderDigits`` but declaring no class list: each site's classes are its folders."""
+
+    def site_dataset(self, data_path: str) -> Dataset:
+        return ImageFolderDataset(data_path, TRANSFORM)
+
+
 class BatchNormDigits(DigitsTask):
     def build_model(self) -> nn.Module:
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 10))

@@ -195,9 +195,24 @@ def test_a_site_may_lack_a_declared_class_but_not_every_image(tmp_path):
     assert ds.missing_classes == ["b", "d"] and ds.num_classes == 4
     assert ds.targets().tolist() == [0, 2]
     with pytest.raises(DataError, match=r"holds no \.png/\.jpg/\.jpeg files in any class folder"):
-        ImageFolderDataset(tmp_path, classes=["b", "d"])
+        ImageFolderDataset(tmp_path / "b", classes=["b", "d"])
     with pytest.raises(DataError, match="does not exist"):
         ImageFolderDataset(tmp_path / "nowhere")
+
+
+def test_a_folder_matching_no_declared_class_is_reported_with_its_image_count(tmp_path):
+    """Issue 51: a misspelt class folder ("clas3" for "class3") was silently left out; it is
+    now an error naming the folder and its image count. A folder without images is ignored."""
+    image = np.zeros((2, 2), np.uint8)
+    write_pngs(tmp_path, {"class0": [image], "class1": [image] * 2, "clas3": [image] * 3})
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no images")
+    declared = ["class0", "class1", "class2", "class3"]
+    with pytest.raises(DataError, match=r"folder 'clas3' holds 3 image\(s\), but no declared"):
+        ImageFolderDataset(tmp_path, classes=declared)
+    (tmp_path / "clas3").rename(tmp_path / "class3")
+    ds = ImageFolderDataset(tmp_path, classes=declared)
+    assert ds.targets().tolist() == [0, 1, 1, 3, 3, 3] and ds.missing_classes == ["class2"]
 
 
 def test_image_folder_corrupt_images_are_named_on_read_and_by_check(tmp_path):
@@ -487,9 +502,10 @@ def test_dicom_round_trip_with_rescale_windows_and_monochrome1(tmp_path):
     # Slope 2: values 0, 20, 40 through the window 21.5/41, (x - 21) / 40 + 0.5, then inverted.
     assert pixels(ds, 1) == [255.0, 255.0 - 121.0, 255.0 - 249.0, 255.0]
     # The signed 16-bit range: (stored + 32768) / 65535 of 255, whatever the file's window.
-    bits = DicomFolderDataset(tmp_path, classes=["ct"], window="bits")
+    classes = ["ct", "inverted", "plain"]  # every folder of images: none may go undeclared
+    bits = DicomFolderDataset(tmp_path, classes=classes, window="bits")
     assert pixels(bits) == [131.0, 132.0, 132.0, 128.0]
-    declared = DicomFolderDataset(tmp_path, classes=["ct"], window=(240, 401))
+    declared = DicomFolderDataset(tmp_path, classes=classes, window=(240, 401))
     assert pixels(declared) == [0.0, 0.0, 128.0, 0.0]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from folder_task import BatchNormDigits, write_site_folders
 
+from gep_fed.cli.main import main
 from gep_fed.data.task import TaskSettings
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
@@ -57,6 +58,54 @@ def test_a_site_with_a_corrupt_file_is_reported_before_round_1(tmp_path):
     with pytest.raises(SiteCheckFailed, match=r"hospital-b: 1 example\(s\)"):
         simulate(tiny(tmp_path), progress=False, site_data=folders)
     assert not (tmp_path / "runs" / "r").exists()  # nothing started, nothing left behind
+
+
+def test_sites_whose_inferred_classes_differ_are_refused_before_round_1_naming_the_site_and_classes(
+    tmp_path, capsys
+):
+    """Issue 51: with no declared class list, a hospital without the "0" folder numbered
+    "1".."9" as 0..8, every label shifted by one, and the run went ahead."""
+    folders = write_site_folders(
+        tmp_path, {"hospital-a": 40, "hospital-b": 40}, lacking={"hospital-b": [0]}
+    )
+    fed = tiny(tmp_path, task="folder_task:InferredFolderDigits")
+    declaring = (
+        '  ImageFolderDataset(data_path, transform, classes=["0", "1", "2", "3", "4", "5", '
+        '"6", "7", "8", "9"])'
+    )
+    with pytest.raises(SiteCheckFailed) as refused:
+        check_simulated_sites(fed, folders)
+    lines = str(refused.value).splitlines()
+    assert "  hospital-b: has folders 1, 2, 3, 4, 5, 6, 7, 8, 9; lacks 0" in lines
+    assert lines[-1] == declaring and not any("hospital-a" in line for line in lines)
+    args = ["simulate", "--task", fed.task, "--run-dir", str(tmp_path / "runs")]
+    for name, path in folders.items():
+        args += ["--site-data", f"{name}={path}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "hospital-b: has folders 1, 2" in err and declaring in err
+    assert not (tmp_path / "runs").exists()
+    # the same folders at every site agree, and a declared list lets a site lack a class
+    same = {"a": folders["hospital-a"], "b": folders["hospital-a"]}
+    assert check_simulated_sites(fed, same) == {"a": [], "b": []}
+    assert check_simulated_sites(tiny(tmp_path), folders) == {"hospital-a": [], "hospital-b": []}
+
+
+def test_a_misspelt_class_folder_stops_a_simulation_before_round_1_naming_the_site_and_count(
+    tmp_path,
+):
+    """Issue 51: a folder matching no declared class was silently left out (359 -> 301
+    examples); it stops the run, even with --drop-bad-examples, naming site, folder, count."""
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    misspelt = Path(folders["hospital-b"]) / "3"
+    count = len(list(misspelt.glob("*.png")))
+    misspelt.rename(misspelt.with_name("three"))
+    message = rf"hospital-b: .*folder 'three' holds {count} image\(s\), but no declared class"
+    with pytest.raises(SiteCheckFailed, match=message):
+        check_simulated_sites(tiny(tmp_path), folders)
+    with pytest.raises(SiteCheckFailed, match=message):
+        simulate(tiny(tmp_path), progress=False, site_data=folders, drop_bad_examples=True)
+    assert not (tmp_path / "runs" / "r").exists()
 
 
 def test_batchnorm_in_a_users_model_is_refused_by_name_on_the_server(tmp_path):

@@ -1,6 +1,8 @@
 """``gep-fed site check``: a site finds its own data problems before it joins, since a run
 drops a bad example silently (issue 19, point 2)."""
 
+from pathlib import Path
+
 import numpy as np
 
 from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_key_path
@@ -85,3 +87,40 @@ def test_the_check_says_which_declared_classes_a_site_lacks_and_passes_it(tmp_pa
     result = check_site(config)
     assert result.ok and result.missing_classes == ("3", "7")
     assert any("no example of class(es) 3, 7" in line for line in result.lines())
+
+
+def test_the_check_lists_the_classes_a_site_inferred_and_refuses_others_than_the_federations(
+    tmp_path, capsys
+):
+    """Issue 51: a site whose task declares no class list numbers its own folders; the check
+    shows them (to compare with the other hospitals) and, given ``--classes``, compares."""
+    from folder_task import write_site_folders
+
+    folders = write_site_folders(tmp_path, {"h1": 40}, lacking={"h1": [0]})
+    config = {**site(tmp_path / "s"), "task": "folder_task:InferredFolderDigits"}
+    config["data-path"] = folders["h1"]
+    result = check_site(config)
+    assert result.ok and result.classes == tuple("123456789") and not result.classes_declared
+    (shown,) = [line for line in result.lines() if "none declared" in line]
+    assert "1, 2, 3, 4, 5, 6, 7, 8, 9" in shown and 'classes=["1", "2", "3"' in shown
+    federation = [str(c) for c in range(10)]
+    refused = check_site(config, expected_classes=federation)
+    assert not refused.ok
+    assert "h1: has folders 1, 2, 3, 4, 5, 6, 7, 8, 9; lacks 0" in refused.errors[0]
+    args = ["site", "check", "--node-config", node_config_string(config)]
+    assert main([*args, "--classes", ",".join(federation)]) == 1
+    out = capsys.readouterr().out
+    assert 'classes=["0", "1", "2"' in out and "NOT ready to join" in out
+
+
+def test_the_check_reports_a_folder_matching_no_declared_class_with_its_image_count(tmp_path):
+    from folder_task import write_site_folders
+
+    folders = write_site_folders(tmp_path, {"h1": 40})
+    misspelt = Path(folders["h1"]) / "3"
+    count = len(list(misspelt.glob("*.png")))
+    misspelt.rename(misspelt.with_name("three"))
+    config = {**site(tmp_path / "s"), "task": "folder_task:FolderDigits"}
+    config["data-path"] = folders["h1"]
+    result = check_site(config)
+    assert not result.ok and f"folder 'three' holds {count} image(s)" in result.errors[0]

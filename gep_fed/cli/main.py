@@ -264,7 +264,8 @@ def _site_check(args: argparse.Namespace) -> int:
         bar = bar or tqdm(total=total, desc="reading the site's examples", unit="ex")
         bar.update(1)
 
-    result = check_site(node_config, progress)
+    expected = [c.strip() for c in args.classes.split(",")] if args.classes else None
+    result = check_site(node_config, progress, expected)
     if bar is not None:
         bar.close()
     print("\n".join(result.lines()))
@@ -564,6 +565,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=".",
         help="the folder of the app the site reviewed, where a task named by import path "
         "lives (default: the current folder)",
+    )
+    check.add_argument(
+        "--classes",
+        help="the federation's class names in label order, comma-separated (e.g. "
+        "'normal,pneumonia'): a site whose class folders name others fails the check",
     )
     check.set_defaults(func=_site_check)
     return parser

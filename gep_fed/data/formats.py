@@ -33,7 +33,7 @@ import gzip
 import operator
 import zipfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -504,30 +504,56 @@ class Cifar10Dataset(ImageDataset):
         return record[1:].reshape(3, 32, 32).transpose(1, 2, 0)
 
 
+def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
+    """The files under ``folder`` (recursively) with one of ``extensions``, sorted."""
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file())
+
+
 class _FolderDataset(ImageDataset):
     """One sub-folder of ``root`` per class (searched recursively), labels from folder names.
 
     ``classes``: the class folder names in label order. Declare them: by default they are this
-    site's sub-folders in sorted order, so a site lacking one class would number the others
-    differently from its peers. With declared classes a site may lack some (their folders
-    missing or empty: ``missing_classes``). Folders not in a declared list are ignored. In
-    memory: the file paths and their labels. Unless the transform declares ``size`` and
-    ``channels``, every image must match the first file (read from its header, once),
-    whatever order items are read in.
+    site's sub-folders in sorted order (``classes_declared`` False), so a site lacking one class
+    would number the others differently from its peers; ``class_disagreement`` compares the
+    sites' ``classes`` before round 1. With declared classes a site may lack some (their
+    folders missing or empty: ``missing_classes``), and a sub-folder holding images that
+    matches no declared class raises ``DataError`` naming it and its image count (a folder
+    without images, such as ``notes/``, is ignored). In memory: the file paths and their
+    labels. Unless the transform declares ``size`` and ``channels``, every image must match
+    the first file (read from its header, once), whatever order items are read in.
     """
 
     def __init__(self, root, transform, classes, extensions) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise DataError(f"data folder {self.root} does not exist")
+        extensions = tuple(e.lower() for e in extensions)
+        folders = sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
+        self.classes_declared = classes is not None
         if classes is None:
-            classes = sorted(
-                p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
-            )
+            classes = folders
             if not classes:
                 raise DataError(f"{self.root} has no class folders (one sub-folder per class)")
         self.classes = list(classes)
-        extensions = tuple(e.lower() for e in extensions)
+        # A folder of images that matches no declared class (a misspelt "clas3") is fatal,
+        # never left out: unlike one corrupt example, which a run drops silently, it is the
+        # site's layout disagreeing with the task, found before round 1 (``gep-fed site
+        # check``, a simulation's check), and leaving it out would shrink a class unseen.
+        unknown = {}
+        for name in folders:
+            if name not in self.classes:
+                count = len(_files(self.root / name, extensions))
+                if count:
+                    unknown[name] = count
+        if unknown:
+            found = "; ".join(f"folder {n!r} holds {c} image(s)" for n, c in unknown.items())
+            raise DataError(
+                f"{self.root}: {found}, but no declared class has that name (the classes: "
+                f"{', '.join(self.classes)}): rename each folder to its class, or move it out "
+                "of the data folder"
+            )
         self.files: list[Path] = []
         labels: list[int] = []
         # A site may lack a class (no cases of a rare one): its folder may be missing or
@@ -535,11 +561,7 @@ class _FolderDataset(ImageDataset):
         self.missing_classes: list[str] = []
         for label, name in enumerate(self.classes):
             folder = self.root / name
-            found = []
-            if folder.is_dir():
-                found = sorted(
-                    p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file()
-                )
+            found = _files(folder, extensions) if folder.is_dir() else []
             if not found:
                 self.missing_classes.append(name)
             self.files += found
@@ -752,3 +774,64 @@ class DicomFolderDataset(_FolderDataset):
                 scaled = (values - low) / (high - low)
         image = np.round(np.clip(scaled, 0.0, 1.0) * 255.0).astype(np.uint8)
         return 255 - image if photometric == "MONOCHROME1" else image
+
+
+def folder_dataset(data) -> _FolderDataset | None:
+    """The class-folder data set behind a task's site data (through ``Subset``-like wrappers
+    that keep it as ``.dataset``), or None where the data do not come from class folders."""
+    for _ in range(8):
+        if isinstance(data, _FolderDataset):
+            return data
+        data = getattr(data, "dataset", None)
+        if data is None:
+            return None
+    return None
+
+
+def class_disagreement(
+    sites: Mapping[str, _FolderDataset], expected: Sequence[str] | None = None
+) -> str | None:
+    """Where the sites' class folders would label a class differently: None when every site
+    has the same ``classes`` in the same order (and ``expected``'s, if given); else the error
+    text, naming each differing site with the classes it has and lacks, and the one line of
+    code that declares the list (``expected``, else the sites' names sorted)."""
+    found = {site: list(data.classes) for site, data in sites.items()}
+    if expected is None and len({tuple(v) for v in found.values()}) <= 1:
+        return None
+    target = (
+        list(expected) if expected is not None else sorted({c for v in found.values() for c in v})
+    )
+    lines = []
+    for site, classes in sorted(found.items()):
+        if classes == target:
+            continue
+        lacks = [c for c in target if c not in classes]
+        extra = [c for c in classes if c not in target]
+        what = "declares" if sites[site].classes_declared else "has folders"
+        line = f"  {site}: {what} {', '.join(classes)}"
+        if lacks:
+            line += f"; lacks {', '.join(lacks)}"
+        if extra:
+            line += f"; {', '.join(extra)} not in the expected classes"
+        if not lacks and not extra:
+            line += " (another order)"
+        lines.append(line)
+    if not lines:
+        return None
+    first = next(iter(sites.values()))
+    bases = (ImageFolderDataset, DicomFolderDataset)
+    kind = next((b.__name__ for b in bases if isinstance(first, b)), type(first).__name__)
+    listed = ", ".join(f'"{c}"' for c in target)
+    head = (
+        "the classes differ from the expected ones"
+        if expected is not None
+        else "the sites' class folders differ, and each numbers its own in sorted order"
+    )
+    return "\n".join(
+        [
+            f"{head}, so one class would get different labels at different sites:",
+            *lines,
+            "declare the classes in the task's site_dataset, so every site labels them alike:",
+            f"  {kind}(data_path, transform, classes=[{listed}])",
+        ]
+    )

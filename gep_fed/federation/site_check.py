@@ -10,7 +10,7 @@ and its ledger (HMAC and high-water mark). Nothing here leaves the site.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from gep_fed.accounting.ledger import (
     default_mark_path,
     read_ledger_key,
 )
-from gep_fed.data.formats import DataError
+from gep_fed.data.formats import DataError, class_disagreement, folder_dataset
 from gep_fed.data.task import CheckedExamples
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.mechanisms.per_example import IncompatibleModelError, validate_model
@@ -30,11 +30,15 @@ from gep_fed.validation import ConfigError
 @dataclass(frozen=True)
 class SiteCheck:
     """What the check found. ``errors`` stop the site from joining; ``problems`` are
-    examples a run would drop (index, what is wrong)."""
+    examples a run would drop (index, what is wrong). ``classes``: the class names of data
+    from class folders in label order, declared by the task or (``classes_declared`` False)
+    inferred from the site's folders, which every site must then have alike."""
 
     site_id: str = ""
     task: str = ""
     examples: int = 0
+    classes: tuple[str, ...] = ()
+    classes_declared: bool = True
     missing_classes: tuple[str, ...] = ()
     problems: tuple[tuple[int, str], ...] = ()
     ledger: str = ""
@@ -48,6 +52,14 @@ class SiteCheck:
         out = [f"site {self.site_id or '?'}: task {self.task or '?'}"]
         if self.examples:
             out.append(f"  {self.examples} example(s) read, {len(self.problems)} with problems")
+        if self.classes and not self.classes_declared:
+            listed = ", ".join(f'"{c}"' for c in self.classes)
+            out.append(
+                f"  classes from this site's folders (none declared): {', '.join(self.classes)}"
+                "; every site must have exactly these, or their labels differ (compare them, "
+                "or pass --classes): declare them in the task, e.g. "
+                f"ImageFolderDataset(data_path, transform, classes=[{listed}])"
+            )
         if self.missing_classes:
             out.append(
                 f"  no example of class(es) {', '.join(self.missing_classes)}: fine, the site "
@@ -67,9 +79,13 @@ class SiteCheck:
 
 
 def check_site(
-    node_config: Mapping[str, object], progress: Callable[[int, int], None] | None = None
+    node_config: Mapping[str, object],
+    progress: Callable[[int, int], None] | None = None,
+    expected_classes: Sequence[str] | None = None,
 ) -> SiteCheck:
-    """Check a deployed site's node config, task, data and ledger (see the module)."""
+    """Check a deployed site's node config, task, data and ledger (see the module).
+    ``expected_classes``: the federation's class names in label order; data from class
+    folders naming others (or another order) is an error."""
     try:
         cfg = SiteConfig.from_node_config(node_config)
     except ConfigError as err:
@@ -91,6 +107,11 @@ def check_site(
         if progress is not None:
             progress(i + 1, len(checked))
     errors, ledger = [], ""
+    folders = folder_dataset(data)
+    if folders is not None and expected_classes is not None:
+        differ = class_disagreement({cfg.site_id or "this site": folders}, expected_classes)
+        if differ:
+            errors.append(differ)
     try:
         opened = PrivacyLedger.load(
             cfg.ledger_path,
@@ -117,7 +138,9 @@ def check_site(
     return SiteCheck(
         **found,
         examples=len(checked),
-        missing_classes=tuple(getattr(data, "missing_classes", ())),
+        classes=tuple(folders.classes) if folders is not None else (),
+        classes_declared=folders.classes_declared if folders is not None else True,
+        missing_classes=tuple(folders.missing_classes) if folders is not None else (),
         problems=tuple(problems),
         ledger=ledger,
         errors=tuple(errors),

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gep_fed.data.formats import DataError
+from gep_fed.data.formats import DataError, class_disagreement, folder_dataset
 from gep_fed.data.task import CheckedExamples
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import (
@@ -98,7 +98,10 @@ def check_simulated_sites(
     examples that cannot be read or do not suit the task (``{site: [problem, ...]}``, empty
     lists for sites without problems). The task's parts the server needs are checked first
     (its model, BatchNorm refused by name; its evaluation and public data), each failure one
-    ``ConfigError`` line."""
+    ``ConfigError`` line. Sites given their own data must open it (a folder matching no
+    declared class is an error) and, where it comes from class folders, name the same classes
+    (``class_disagreement``): else ``SiteCheckFailed`` naming the site, whatever
+    ``--drop-bad-examples`` says, since the labels themselves would be wrong."""
     task = fed.make_task()
     model = task.build_model()
     validate_model(model)
@@ -108,7 +111,16 @@ def check_simulated_sites(
         except (NotImplementedError, TypeError) as err:
             raise ConfigError(f"task {fed.task!r}: {part}() is needed: {err}") from None
     if site_data:
-        datasets = {name: task.site_dataset(path) for name, path in site_data.items()}
+        datasets = {}
+        for name, path in site_data.items():
+            try:
+                datasets[name] = task.site_dataset(path)
+            except DataError as err:  # e.g. a folder that matches no declared class
+                raise SiteCheckFailed(f"{name}: {err}") from None
+        folders = {name: folder_dataset(data) for name, data in datasets.items()}
+        disagreement = class_disagreement({k: v for k, v in folders.items() if v is not None})
+        if disagreement:
+            raise SiteCheckFailed(disagreement)
     else:
         shares = pooled_shares(task, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed)
         datasets = {f"site-{i}": share for i, share in enumerate(shares)}
@@ -141,6 +153,8 @@ def simulated_site_settings(
         "max-augmentation-copies": max(fed.augmentation_copies, DEFAULT_MAX_AUGMENTATION_COPIES),
         "ledger-dir": str(Path(fed.run_directory("")) / "sites"),
     }
+    if fed.mode == "distributed":  # the split the simulated sites accept is the run's
+        settings["noise-shares"] = fed.shares_needed
     if fed.noise_seed is not None:  # distinct from the server's seed; site i adds i
         settings["noise-seed"] = fed.noise_seed + 1
     if site_data:
