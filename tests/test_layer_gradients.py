@@ -12,7 +12,12 @@ from gep_fed.data.models import MLP, MnistCNN, resnet20_gn
 from gep_fed.mechanisms.anchors import compute_anchor_subspace, with_gram_groups
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
-from gep_fed.mechanisms.layer_gradients import factor_shapes, fallback_layers
+from gep_fed.mechanisms.layer_gradients import (
+    LayerEngineUnavailable,
+    check_examples_kept_apart,
+    factor_shapes,
+    fallback_layers,
+)
 from gep_fed.mechanisms.per_example import factored_gradients, per_example_gradients
 from gep_fed.mechanisms.step import clipped_sums_of_batches
 from gep_fed.mechanisms.step_config import GEPConfig
@@ -83,6 +88,35 @@ class GatedBatchCentring(nn.Module):
     def forward(self, x):
         h = self.fc1(x)
         return self.fc2(torch.tanh(h + self.gate * (h - h.mean(0, keepdim=True))))
+
+
+class ReadsThePreviousExample(nn.Module):
+    """Example i also reads example i - 1, and example 0 reads none: example 0's output is
+    its own, so a probe that compares only example 0 passes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        previous = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+        return self.fc2(torch.tanh(h + 0.5 * previous))
+
+
+class OnlyTheThirdReadsTheSecond(nn.Module):
+    """Only example 2 of a batch reads another (example 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        reads = torch.zeros(len(h), len(h), dtype=h.dtype)
+        if len(h) > 2:
+            reads[2, 1] = 1.0
+        return self.fc2(torch.tanh(h + reads @ h))
 
 
 class InputIndependentLayer(nn.Module):
@@ -330,6 +364,28 @@ def test_a_model_that_mixes_examples_is_differentiated_one_example_at_a_time():
             per_example_gradients(
                 model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
             )[0]
+            for i in range(len(x))
+        ]
+    )
+    torch.testing.assert_close(got, alone)
+
+
+@pytest.mark.parametrize("mixing", [ReadsThePreviousExample, OnlyTheThirdReadsTheSecond])
+def test_a_model_that_mixes_only_later_examples_of_a_batch_is_caught(mixing):
+    """Example 0's output is its own in both models: the probe compares every example of
+    its batch, so examples 1 and 2 reading another send the model to torch.func."""
+    model = mixing().double()
+    layout = ParameterLayout.from_model(model)
+    x, y = data((12,))
+    with pytest.raises(LayerEngineUnavailable, match=r"depends on the other examples"):
+        check_examples_kept_apart(model, x)
+    with pytest.warns(UserWarning, match=r"depends on the other examples of its batch"):
+        got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
+    alone = torch.cat(
+        [
+            per_example_gradients(
+                model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
+            )
             for i in range(len(x))
         ]
     )

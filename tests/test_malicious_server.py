@@ -8,6 +8,7 @@ data-dependent text or numbers.
 """
 
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,10 +22,14 @@ from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key, default_
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.datasets import load_digits
 from gep_fed.data.task import ArrayImageDataset, TaskSettings, stack_examples
+from gep_fed.federation import site as site_module
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
+from gep_fed.mechanisms.anchors import AnchorSet
+from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.per_example import per_example_gradients
 
@@ -334,6 +339,113 @@ def test_a_round_within_the_sites_work_limits_is_answered(tmp_path, digits, hosp
     reply, _ = answer(round_message(server, 1), {**hospital, "max-local-steps": 2}, server.cfg)
     assert not reply.has_error()
     assert site_ledger(hospital).steps == 2
+
+
+def rebuild_cost(arrays) -> wire.RebuildCost:
+    """The cost a site computes for an anchor record, from its declared shapes."""
+    layout = ParameterLayout.from_model(DigitsTask(TaskSettings()).build_model())
+    costs = []
+    received = {k: wire.as_wire_array(v) for k, v in arrays.items()}
+    wire.decode_anchors(received, layout, admit=costs.append)
+    return costs[0]
+
+
+def more_anchors(arrays, copies: int) -> dict:
+    """The record with its anchors (and their coefficients' rows) repeated ``copies`` times."""
+    return {k: np.concatenate([v] * copies) for k, v in arrays.items()}
+
+
+@pytest.mark.parametrize("cap", ["max-rebuild-work", "max-rebuild-mib"])
+def test_a_rebuild_over_the_sites_cap_is_refused_before_it_is_computed(
+    tmp_path, digits, hospital, monkeypatch, cap
+):
+    """N6: anchors and coefficients whose product is huge (a 40 GB basis and 1e14
+    multiply-adds from 0.43 GB on the wire) would tie a site up before the orthonormality
+    check. The site refuses a record costing more than its node config allows, from the
+    shapes alone, before the basis is allocated or any anchor differentiated."""
+    server = make_server(tmp_path, digits, basis_transport="rebuild")
+    record = server.plan_round(1).basis
+    if cap == "max-rebuild-work":  # one multiply-add over this site's cap
+        limit = rebuild_cost(record).work - 1
+    else:  # 1 MiB, and the record's anchors repeated until they hold more
+        record, limit = more_anchors(record, 20), 1
+        assert rebuild_cost(record).bytes > 2**20
+
+    def never(*args, **kwargs):
+        raise AssertionError("the basis was rebuilt")
+
+    monkeypatch.setattr(site_module, "rebuild_anchor_subspace", never)
+    began = time.perf_counter()
+    reply, _ = answer(round_message(server, 1, basis=record), {**hospital, cap: limit}, server.cfg)
+    assert time.perf_counter() - began < 1.0
+    assert refused(reply, "over compute limit")
+    assert site_ledger(hospital).steps == 0
+
+
+def test_a_rebuild_within_the_sites_cap_is_answered(tmp_path, digits, hospital):
+    server = make_server(tmp_path, digits, basis_transport="rebuild")
+    work = rebuild_cost(server.plan_round(1).basis).work
+    reply, _ = answer(round_message(server, 1), {**hospital, "max-rebuild-work": work}, server.cfg)
+    assert not reply.has_error()
+    assert site_ledger(hospital).steps == 2
+
+
+def test_n6s_record_is_refused_by_default_from_its_declared_shapes_alone():
+    """N6's record at ResNet-18-GN's size (11.2 million parameters): 10,000 anchors at 64x64
+    and 900 columns, 0.53 GB on the wire, would make a 40 GB basis in 1e14 multiply-adds. The
+    default caps refuse it from the declared shapes: no payload is read (there is none)."""
+    p, m, k = 11_181_642, 10_000, 900
+    layout = ParameterLayout.from_dict(
+        {"names": ["w"], "shapes": [[p]], "groups": [["all", ["w"]]]}
+    )
+    declared = {
+        "anchors.inputs": ("float32", (m, 3, 64, 64)),
+        "anchors.labels": ("int64", (m,)),
+        "coefficients.0": ("float32", (m, k)),
+    }
+    record = ArrayRecord(
+        {
+            name: Array(dtype, shape, "numpy.ndarray", b"")
+            for name, (dtype, shape) in declared.items()
+        }
+    )
+    costs = []
+    policy = SitePolicy(BUDGET, 1e-5)
+
+    def admit(cost):
+        costs.append(cost)
+        policy.admit_rebuild(cost)
+
+    began = time.perf_counter()
+    with pytest.raises(wire.RoundRefused, match="over compute limit"):
+        wire.decode_anchors(record, layout, admit=admit)
+    assert time.perf_counter() - began < 1.0
+    assert costs[0].work == m * p * k > 1e14 and costs[0].bytes > 40e9
+
+
+def test_a_site_refuses_n6s_rebuild_before_allocating_it(digits, monkeypatch):
+    """The site's own check (``Site.rebuild_subspace``), on anchors as decoded: a million
+    anchors whose coefficients give every group a full basis (2e13 multiply-adds, 19 GB of
+    coefficients). Zero-stride tensors stand in for them: nothing is allocated unless the
+    rebuild starts."""
+    site = site_module.Site(
+        "h1", digits.build_model(), digits.train_dataset(), SitePolicy(BUDGET, 1e-5)
+    )
+    m = 1_000_000
+    anchors = AnchorSet(
+        torch.zeros(1, 1, 8, 8).expand(m, 1, 8, 8),
+        torch.zeros(1, dtype=torch.int64).expand(m),
+        tuple(torch.zeros(1, 1).expand(m, g.size) for g in site.layout.groups),
+    )
+
+    def never(*args, **kwargs):
+        raise AssertionError("the basis was rebuilt")
+
+    monkeypatch.setattr(site_module, "rebuild_anchor_subspace", never)
+    began = time.perf_counter()
+    with pytest.raises(wire.RoundRefused, match="over compute limit"):
+        site.rebuild_subspace(anchors)
+    assert time.perf_counter() - began < 1.0
 
 
 def test_huge_clip_norms_only_buy_proportionally_more_noise(tmp_path, digits, hospital):

@@ -27,7 +27,7 @@ from gep_fed.accounting.ledger import default_key_path
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.federation.config import AUGMENTATION_COPIES, MODES, FederationConfig
-from gep_fed.federation.wire import RoundConfig, RoundRefused
+from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
 from gep_fed.validation import AT_LEAST_ONE, DELTA, ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -38,6 +38,12 @@ SIMULATED_SITE_DEFAULTS = {"epsilon-budget": 8.0, "delta": 1e-5}
 # that asks for more is refused ("over compute limit"), so it cannot tie a site up for hours.
 DEFAULT_MAX_LOCAL_STEPS = 100
 DEFAULT_MAX_AUGMENTATION_COPIES = 16
+# A basis rebuilt from anchors (``basis-transport = rebuild``, ``wire.RebuildCost``): at most
+# 1e13 multiply-adds (m * sum_g p_g k_g) and 8 GiB (record plus float32 bases). The largest
+# built-in refresh, cifar10's ResNet20-GN at k = 1,000 from 2,000 anchors, needs 2.5e11 and
+# 0.5 GiB; ResNet-18-GN at 64x64, k = 100 from 1,000 anchors, 4.9e11 and 1.9 GiB.
+DEFAULT_MAX_REBUILD_WORK = 10**13
+DEFAULT_MAX_REBUILD_MIB = 8 * 1024
 
 # Keys a deployed site's node config may hold, with what they mean (``gep-fed site check
 # --help`` prints them).
@@ -66,6 +72,13 @@ NODE_CONFIG_KEYS = {
     "max-augmentation-copies": "the most augmented copies of each example this site "
     f"differentiates in a round (compute; default {DEFAULT_MAX_AUGMENTATION_COPIES}); rounds "
     "asking more are refused",
+    "max-rebuild-work": "the most multiply-adds of a basis this site rebuilds from anchors "
+    "(basis-transport rebuild: anchors x sum over groups of parameters x basis columns; "
+    f"default {DEFAULT_MAX_REBUILD_WORK:.0e}); a record asking more is refused from its "
+    "declared shapes",
+    "max-rebuild-mib": "the most memory, in MiB, of a basis this site rebuilds from anchors "
+    f"(the record's arrays plus the float32 bases; default {DEFAULT_MAX_REBUILD_MIB}); a "
+    "record asking more is refused from its declared shapes",
     "release-metrics": "let a training loss leave the site, outside the guarantee (false)",
     "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
     "device": "auto (cuda when available), cpu or cuda",
@@ -106,6 +119,9 @@ class SitePolicy:
             site (client-mode steps; augmented copies per example). They bound compute, not
             privacy: every step is accounted whatever its number, and copies leave the
             sensitivity unchanged.
+        max_rebuild_work, max_rebuild_mib: the most a basis rebuilt from anchors may cost
+            (``wire.RebuildCost``: multiply-adds, and MiB held), checked from the record's
+            declared shapes before anything is computed (``admit_rebuild``).
     """
 
     epsilon_budget: float | None
@@ -117,6 +133,8 @@ class SitePolicy:
     max_colluding_sites: int = 0
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     max_augmentation_copies: int = DEFAULT_MAX_AUGMENTATION_COPIES
+    max_rebuild_work: int = DEFAULT_MAX_REBUILD_WORK
+    max_rebuild_mib: int = DEFAULT_MAX_REBUILD_MIB
 
     def __post_init__(self) -> None:
         if self.epsilon_budget is None and not self.allow_no_noise:
@@ -140,6 +158,14 @@ class SitePolicy:
             )
         AT_LEAST_ONE.check("max-local-steps", self.max_local_steps)
         AUGMENTATION_COPIES.check("max-augmentation-copies", self.max_augmentation_copies)
+        AT_LEAST_ONE.check("max-rebuild-work", self.max_rebuild_work)
+        AT_LEAST_ONE.check("max-rebuild-mib", self.max_rebuild_mib)
+
+    def admit_rebuild(self, cost: RebuildCost) -> None:
+        """Refuse ("over compute limit") a basis rebuild that costs more work or memory than
+        this site allows, from shapes alone: before anything is read, allocated or computed."""
+        if cost.work > self.max_rebuild_work or cost.bytes > self.max_rebuild_mib * 2**20:
+            raise RoundRefused("over compute limit")
 
     def survivors_needed(self, noise_shares: int) -> int:
         """The fewest sites in a distributed sum for which this site reveals its unmasking
@@ -278,6 +304,8 @@ class SiteConfig:
             max_augmentation_copies=get.integer(
                 "max-augmentation-copies", DEFAULT_MAX_AUGMENTATION_COPIES
             ),
+            max_rebuild_work=get.integer("max-rebuild-work", DEFAULT_MAX_REBUILD_WORK),
+            max_rebuild_mib=get.integer("max-rebuild-mib", DEFAULT_MAX_REBUILD_MIB),
         )
         device = get.text("device") or "auto"
         if device not in DEVICES:

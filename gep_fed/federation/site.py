@@ -33,7 +33,7 @@ from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
 from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
 from gep_fed.federation.policy import SiteConfig, SitePolicy
-from gep_fed.federation.wire import RoundConfig, RoundRefused
+from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
 from gep_fed.mechanisms.anchors import AnchorSet, rebuild_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.langevin import LangevinConfig, LangevinTrainer
@@ -172,7 +172,11 @@ class Site:
 
     def rebuild_subspace(self, anchors: AnchorSet) -> AnchorSubspace:
         """The round's basis from public anchors and coefficients the server sent, at the
-        current (received) weights: public data only, nothing private is read."""
+        current (received) weights: public data only, nothing private is read. Refused
+        ("over compute limit") from the anchors' shapes, before anything is allocated or
+        computed, when it costs more than the site's policy allows (``max-rebuild-work``,
+        ``max-rebuild-mib``)."""
+        self.policy.admit_rebuild(RebuildCost.of_anchors(anchors, self.layout))
         return rebuild_anchor_subspace(
             self.model, anchors, self.layout, loss_fn=self.loss_fn, max_chunk=self.max_chunk
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -363,11 +363,55 @@ def is_anchor_record(arrays: Mapping) -> bool:
     return "anchors.inputs" in arrays
 
 
+# Bytes per element of the dtypes an anchor record may declare (any other is refused when
+# read; counted at 8 bytes until then).
+_ITEM_BYTES = {"float32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class RebuildCost:
+    """What rebuilding the bases from an anchor record costs a site, from shapes alone (a
+    site's policy bounds it: ``SitePolicy.admit_rebuild``).
+
+    Attributes:
+        work: multiply-adds of the bases ``B_g = G_g^T C_g``: ``m * sum_g p_g k_g`` for ``m``
+            anchors and ``k_g`` columns in a group of ``p_g`` parameters (at least ``m * p``).
+            The anchors' ``m`` backward passes come on top; their inputs are in the record,
+            so ``bytes`` bounds ``m``.
+        bytes: the record's arrays plus the rebuilt float32 bases (``4 * sum_g p_g k_g``):
+            what the site holds for the rebuild, beyond one ``max-chunk`` of gradients.
+    """
+
+    work: int
+    bytes: int
+
+    @classmethod
+    def of(
+        cls, layout: ParameterLayout, num_anchors: int, columns: Sequence[int], record_bytes: int
+    ) -> RebuildCost:
+        basis = sum(g.size * k for g, k in zip(layout.groups, columns, strict=True))
+        return cls(num_anchors * basis, record_bytes + 4 * basis)
+
+    @classmethod
+    def of_anchors(cls, anchors: AnchorSet, layout: ParameterLayout) -> RebuildCost:
+        """The cost of rebuilding from ``anchors`` (their shapes; nothing is read)."""
+        arrays = (anchors.inputs, anchors.labels, *anchors.coefficients)
+        record = sum(a.numel() * a.element_size() for a in arrays)
+        columns = [c.shape[1] for c in anchors.coefficients]
+        return cls.of(layout, anchors.inputs.shape[0], columns, record)
+
+
 def decode_anchors(
-    arrays: Mapping[str, WireArray], layout: ParameterLayout, sender: str = "server"
+    arrays: Mapping[str, WireArray],
+    layout: ParameterLayout,
+    sender: str = "server",
+    admit: Callable[[RebuildCost], None] | None = None,
 ) -> AnchorSet:
     """The anchors (inputs, labels) and each group's ``(m, k_g)`` coefficients, checked:
-    ``1 <= k_g <= min(m, p_g)``, every array finite and of a declared shape."""
+    ``1 <= k_g <= min(m, p_g)``, every array finite and of a declared shape. Every declared
+    shape is checked before any array is read; ``admit`` (a site's
+    ``SitePolicy.admit_rebuild``) then sees the rebuild's cost from those shapes and may
+    refuse it (``RoundRefused``) before anything is read or allocated."""
 
     def declared(name: str) -> tuple[int, ...]:
         if name not in arrays:
@@ -378,12 +422,29 @@ def decode_anchors(
     if len(shape) < 2 or shape[0] < 1:
         raise WireError(sender, f"{BASIS}.anchors.inputs", f"bad shape {shape}")
     m = shape[0]
-    inputs = _read_array(sender, BASIS, arrays, "anchors.inputs", shape, ANCHOR_INPUT_DTYPES)
     label_shape = declared("anchors.labels")
     if label_shape[:1] != (m,) or len(label_shape) > 2:
         raise WireError(
             sender, f"{BASIS}.anchors.labels", f"bad shape {label_shape} for {m} anchors"
         )
+    coefficient_shapes = []
+    for i, group in enumerate(layout.groups):
+        name = f"coefficients.{i}"
+        cshape = declared(name)
+        if len(cshape) != 2 or cshape[0] != m or not (1 <= cshape[1] <= min(m, group.size)):
+            raise WireError(sender, f"{BASIS}.{name}", f"bad shape {cshape} for {m} anchors")
+        coefficient_shapes.append(cshape)
+    expected = {"anchors.inputs", "anchors.labels"} | {
+        f"coefficients.{i}" for i in range(len(layout.groups))
+    }
+    _no_extra(sender, BASIS, arrays, expected)
+    if admit is not None:
+        record = sum(
+            math.prod(declared(name)) * _ITEM_BYTES.get(str(arrays[name].dtype), 8)
+            for name in expected
+        )
+        admit(RebuildCost.of(layout, m, [k for _, k in coefficient_shapes], record))
+    inputs = _read_array(sender, BASIS, arrays, "anchors.inputs", shape, ANCHOR_INPUT_DTYPES)
     labels = _read_array(
         sender,
         BASIS,
@@ -392,18 +453,11 @@ def decode_anchors(
         label_shape,
         ("int64",) if len(label_shape) == 1 else ("float32",),
     )
-    coefficients = []
-    for i, group in enumerate(layout.groups):
-        name = f"coefficients.{i}"
-        shape = declared(name)
-        if len(shape) != 2 or shape[0] != m or not (1 <= shape[1] <= min(m, group.size)):
-            raise WireError(sender, f"{BASIS}.{name}", f"bad shape {shape} for {m} anchors")
-        coefficients.append(torch.from_numpy(_read_array(sender, BASIS, arrays, name, shape)))
-    expected = {"anchors.inputs", "anchors.labels"} | {
-        f"coefficients.{i}" for i in range(len(layout.groups))
-    }
-    _no_extra(sender, BASIS, arrays, expected)
-    return AnchorSet(torch.from_numpy(inputs), torch.from_numpy(labels), tuple(coefficients))
+    coefficients = tuple(
+        torch.from_numpy(_read_array(sender, BASIS, arrays, f"coefficients.{i}", cshape))
+        for i, cshape in enumerate(coefficient_shapes)
+    )
+    return AnchorSet(torch.from_numpy(inputs), torch.from_numpy(labels), coefficients)
 
 
 # -- central mode: clipped sums --------------------------------------------------------------

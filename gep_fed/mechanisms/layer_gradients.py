@@ -11,9 +11,9 @@ A batched pass gives per-example gradients only if no operation mixes examples: 
 statistic would make one example's "gradient" depend on the others, and its clip would no
 longer bound one example's influence. ``per_example.validate_model`` refuses the layers known
 to mix (BatchNorm); for any other model, before its first batch of each input shape, a probe
-on public random inputs checks that one example's output stays the same when the other
-examples of its batch are replaced, and a model that fails is left to ``torch.func``, which
-differentiates each example alone.
+on public random inputs checks that each example's output stays the same when the other
+examples of its batch are replaced (every position of a batch of three), and a model that
+fails is left to ``torch.func``, which differentiates each example alone.
 """
 
 from __future__ import annotations
@@ -89,11 +89,16 @@ _SEPARATE: WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], set[tuple]]] = We
 
 
 def check_examples_kept_apart(model: nn.Module, like: torch.Tensor) -> None:
-    """Raise ``LayerEngineUnavailable`` if the first example's output in a batch of three
-    changes when the other two are replaced, on public random inputs shaped like ``like``.
-    Both passes have the same shapes and RNG seed, so dropout masks and the like agree.
-    Checked once per model, input shape and state of its weights (any in-place change of a
-    parameter or buffer, a loaded round or an optimiser step, checks again)."""
+    """Raise ``LayerEngineUnavailable`` if any example's output in a batch of three changes
+    when the other two are replaced, on public random inputs shaped like ``like``.
+
+    Three batches ``(a0, a1, a2)``, ``(a0, b1, b2)`` and ``(c0, a1, b2)``: every two of them
+    hold one example at the same position and differ at the other two, so each position is
+    compared once, against a batch where both of its neighbours changed (an example that
+    reads the one before it, or only the last one reading another, is caught). All passes
+    have the same shapes and RNG seed, so dropout masks and the like agree. Checked once per
+    model, input shape and state of its weights (any in-place change of a parameter or
+    buffer, a loaded round or an optimiser step, checks again)."""
     key = (tuple(like.shape[1:]), like.dtype, like.device)
     versions = tuple(t._version for t in (*model.parameters(), *model.buffers()))
     held_versions, passed = _SEPARATE.get(model, ((), set()))
@@ -102,25 +107,31 @@ def check_examples_kept_apart(model: nn.Module, like: torch.Tensor) -> None:
     shape = (3, *like.shape[1:])
     if like.is_floating_point():
         draw = torch.Generator().manual_seed(0)
-        first = torch.randn(shape, generator=draw).to(like)
-        second = torch.cat([first[:1], torch.randn(shape, generator=draw)[1:].to(like)])
-    else:  # indices: the probed example 0, the others 1 in one batch and 0 in the other
-        first = (torch.arange(3) > 0).reshape(3, *[1] * (like.ndim - 1)).expand(shape).to(like)
-        second = torch.zeros_like(first)
+        a, b, c = (torch.randn(shape, generator=draw).to(like) for _ in range(3))
+        batches = (a, torch.cat([a[:1], b[1:]]), torch.cat([c[:1], a[1:2], b[2:]]))
+    else:  # indices 0 and 1 only: (0, 1, 1), (0, 0, 0) and (1, 1, 0)
+        rows = torch.tensor([[0, 1, 1], [0, 0, 0], [1, 1, 0]])
+        view = (3, *[1] * (like.ndim - 1))
+        batches = tuple(r.reshape(view).expand(shape).to(like) for r in rows)
     devices = [like.device] if like.device.type == "cuda" else []
+    outputs = []
     with torch.no_grad(), torch.random.fork_rng(devices):
-        torch.manual_seed(0)
-        out_first = model(first)
-        torch.manual_seed(0)
-        out_second = model(second)
-    if not (isinstance(out_first, torch.Tensor) and isinstance(out_second, torch.Tensor)):
+        for batch in batches:
+            torch.manual_seed(0)
+            outputs.append(model(batch))
+    if not all(isinstance(out, torch.Tensor) for out in outputs):
         raise LayerEngineUnavailable("the model's output is not a tensor")
-    scale = float(out_first[:1].abs().max()) if out_first.numel() else 0.0
-    if not torch.allclose(out_first[:1], out_second[:1], rtol=1e-4, atol=1e-6 * (1 + scale)):
-        raise LayerEngineUnavailable(
-            "one example's output depends on the other examples of its batch (a batch "
-            "statistic?): each example is differentiated alone instead"
-        )
+    if any(out.ndim == 0 or out.shape[0] != 3 for out in outputs):
+        raise LayerEngineUnavailable("the model's output does not hold one row per example")
+    # (batch, batch, the position they share)
+    for first, second, position in ((0, 1, 0), (0, 2, 1), (1, 2, 2)):
+        mine, theirs = outputs[first][position], outputs[second][position]
+        scale = float(mine.abs().max()) if mine.numel() else 0.0
+        if not torch.allclose(mine, theirs, rtol=1e-4, atol=1e-6 * (1 + scale)):
+            raise LayerEngineUnavailable(
+                "one example's output depends on the other examples of its batch (a batch "
+                "statistic?): each example is differentiated alone instead"
+            )
     _SEPARATE[model] = (versions, (passed if held_versions == versions else set()) | {key})
 
 
