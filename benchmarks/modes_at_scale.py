@@ -1,5 +1,5 @@
 """The three noise placements at growing federation sizes (issue 22): central, client-side and
-distributed (SecAgg+) mode on the same data, sites and seeds, at equal private steps.
+distributed (secure sum) mode on the same data, sites and seeds, at equal private steps.
 
 Each run is one Flower simulation of the task's recommended settings, the cell ``gep-fed
 compare`` runs for that mode (``gep_fed.cli.compare.matrix``); its figures (test
@@ -29,8 +29,25 @@ OUT = Path(__file__).parent / "results" / "modes"
 MODES = ("central", "distributed", "client")
 
 
-def key(task: str, mechanism: str, sites: int, partition: str, epsilon: float, mode: str) -> str:
-    return f"{task}/{mechanism}/{sites}-{partition}/eps{epsilon:g}/{mode}"
+# Distributed mode's secure sum: Flower's SecAgg+ until issue 50, then the project's own
+# (pairwise masks over pinned peers' signed keys, no dropout recovery). Rows name theirs.
+SECURE_SUM = "pairwise"
+
+
+def key(
+    task: str,
+    mechanism: str,
+    sites: int,
+    partition: str,
+    epsilon: float,
+    mode: str,
+    rounds: int | None = None,
+) -> str:
+    """A run's key; distributed runs of the current secure sum and runs of a length other
+    than the task's carry it (older rows keep theirs)."""
+    suffix = f"/{SECURE_SUM}" if mode == "distributed" else ""
+    length = f"/r{rounds}" if rounds else ""
+    return f"{task}/{mechanism}/{sites}-{partition}/eps{epsilon:g}{length}/{mode}{suffix}"
 
 
 def done_runs(log: Path) -> dict[str, dict]:
@@ -56,6 +73,7 @@ def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
     row = {
         "key": run_key,
         "mode": fed.mode,
+        "secure_sum": SECURE_SUM if fed.mode == "distributed" else None,
         "sites": fed.num_sites,
         "partition": fed.partition,
         "mechanism": fed.mechanism,
@@ -103,11 +121,15 @@ def table(rows: list[dict]) -> str:
         "fewer when its sites had recorded the interrupted round (their ledgers over-count, "
         "never under-count), and then ends refused as over budget. A resumed run also sends "
         "each site one basis more (the server computes a fresh subspace at the first round "
-        "after the resume), so it meters more bytes per round than an uninterrupted run.",
+        "after the resume), so it meters more bytes per round than an uninterrupted run. "
+        "Secure sum: distributed rows of Flower's SecAgg+ (4 message exchanges, int64 arrays; "
+        "superseded by issue 50) and of the project's pairwise masks over pinned peers' signed "
+        "keys (2 exchanges, uint32 arrays). Rows of fewer rounds than the task's 300 time the "
+        "rounds; their accuracy compares only with rows of the same length.",
         "",
         "| task | mechanism | sites | partition | epsilon | mode | sigma | test accuracy | "
-        "epsilon spent | rounds applied | s/round | MB/round/site | quantised d |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "epsilon spent | rounds applied | s/round | MB/round/site | quantised d | secure sum |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate(MODES)}
 
@@ -118,8 +140,10 @@ def table(rows: list[dict]) -> str:
             r["mechanism"],
             r["partition"],
             r["epsilon_target"],
+            r["rounds"],
             r["sites"],
             order[r["mode"]],
+            r.get("secure_sum") or "",
         )
 
     for r in sorted(rows, key=place):
@@ -131,9 +155,15 @@ def table(rows: list[dict]) -> str:
             f"{r['epsilon_target']:g} | {r['mode']} "
             f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {rounds} | "
             f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} | "
-            f"{r.get('dimension') or '-'} |"
+            f"{r.get('dimension') or '-'} | {secure_sum(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def secure_sum(row: dict) -> str:
+    if row["mode"] != "distributed":
+        return "-"
+    return "pairwise, pinned keys" if row.get("secure_sum") == SECURE_SUM else "SecAgg+ (old)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         for sites in args.sites:
             for partition in args.partitions:
                 for mode in args.modes:
-                    run_key = key(args.task, args.mechanism, sites, partition, args.epsilon, mode)
+                    run_key = key(
+                        args.task,
+                        args.mechanism,
+                        sites,
+                        partition,
+                        args.epsilon,
+                        mode,
+                        args.rounds,
+                    )
                     if run_key in done_runs(log):
                         print(f"done already: {run_key}", file=sys.stderr)
                         continue

@@ -23,9 +23,11 @@
 # ledger (create it once with `gep-fed ledger init`): a problem stops the start, since during a
 # run a bad example is dropped silently and a missing or older ledger must never be replaced.
 # MODES: "client" (default: only client-side noise), or a list adding "central" (this site trusts
-# the coordinator with unnoised clipped sums) and/or "distributed" (it trusts the coordinator to
-# run SecAgg+ and shows it only the sum of the sites' noised shares; the colluding sites it
-# assumes go in EXTRA_NODE_CONFIG: 'max-colluding-sites=1'). DEVICE: auto (default), cpu or cuda.
+# the coordinator with unnoised clipped sums) and/or "distributed" (the coordinator sees only the
+# sum of the sites' noised shares, masked with the pinned peers; needs NOISE_SHARES, the site's
+# secure-sum key SITE_KEY, default $DEPLOY/secrets/secure-sum/SITE_ID.pem, and its peers file
+# PEERS, default $DEPLOY/secrets/secure-sum/peers.txt; the colluding sites it assumes go in
+# EXTRA_NODE_CONFIG: 'max-colluding-sites=1'). DEVICE: auto (default), cpu or cuda.
 # Environment: DEPLOY, PORT (the SuperLink's, default 9300), SUPERLINK_HOST (default 127.0.0.1),
 # NODE_PORT (this SuperNode's local runtime API port, default 9400 + the site's number),
 # EXTRA_NODE_CONFIG (more node config keys, appended as given: 'ledger-key-path="/keys/k"').
@@ -46,6 +48,10 @@ pins=${PINNED_FAB:?set PINNED_FAB to the SHA-256 of the app bundle this site rev
   exit 1
 }
 node_config="site-id=\"$site\" task=\"$task\" data-path=\"$data\" ledger-path=\"$ledger\" epsilon-budget=$budget delta=$delta accept-modes=\"$modes\" device=\"$device\" ${EXTRA_NODE_CONFIG:-}"
+if [[ ,$modes, == *,distributed,* ]]; then
+  shares=${NOISE_SHARES:?set NOISE_SHARES: the shares this site splits its noise into in distributed mode}
+  node_config="$node_config noise-shares=$shares site-key=\"${SITE_KEY:-$DEPLOY/secrets/secure-sum/$site.pem}\" peers=\"${PEERS:-$DEPLOY/secrets/secure-sum/peers.txt}\""
+fi
 gep-fed site check --node-config "$node_config" > "$DEPLOY/$site.check" 2>&1 || {
   echo "not starting $site: its site check failed ($DEPLOY/$site.check):" >&2
   tail -n 25 "$DEPLOY/$site.check" >&2

@@ -113,7 +113,13 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(federation):
         assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3 + 1
         assert placements == ["trusted-server"] * 2 + ["local"] * 6 + ["distributed"]
         assert ledger.epsilon() <= 8.0
+        # the secure sum ran with the split each hospital's node config set, among the peers
+        # it pinned (keys made by the guide's gep-fed site keygen)
+        assert ledger.events[-1].noise_shares == 3
+        assert ledger.epsilon_if_shares_exposed() > ledger.epsilon()
     assert "epsilon" in done.stdout and "HMAC and high-water mark verified" in done.stdout
+    assert "1 step(s) in secure sums" in done.stdout  # the guide's ledger show
+    assert len((deploy / "secrets" / "secure-sum" / "peers.txt").read_text().splitlines()) == 3
     assert (
         "TLS" in GUIDE.read_text()
         and "--enable-supernode-auth" in (ROOT / "deploy" / "start-superlink.sh").read_text()

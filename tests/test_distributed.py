@@ -1,10 +1,11 @@
-"""Distributed mode: the sites' quantised noise shares, summed by Flower's SecAgg+.
+"""Distributed mode: the sites' quantised noise shares, summed by the secure sum
+(``gep_fed.federation.secure_sum``: pairwise masks, signed keys, no dropout recovery).
 
 The federation runs here in one process: ``LocalGrid`` hands every message of the real
-``GEPStrategy`` to the real ClientApp of each site (its mods, Flower's ``secaggplus_mod``
-and the site's code), without the transport, so that a test sees every reply the server
-receives and can make a site fall silent at any stage. ``tests/test_simulation.py`` runs the
-same mode in a Flower simulation.
+``GEPStrategy`` to the real ClientApp of each site, without the transport, so that a test sees
+every reply the server receives, can make a site fall silent at any stage, and can play a
+server that deviates (``tamper`` rewrites a message before a site gets it).
+``tests/test_simulation.py`` runs the same mode in a Flower simulation.
 """
 
 from __future__ import annotations
@@ -16,23 +17,33 @@ import math
 import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, RecordDict
-from flwr.common import bytes_to_ndarray
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.secure_sum import (
+    MODULUS,
+    PinnedPeers,
+    SignedKey,
+    advertise,
+    create_site_key,
+    key_text,
+    mask_stream,
+    pairwise_key,
+)
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.clientapp import make_client_app
 from gep_fed.flower.secure_sum import (
-    MOD_RANGE,
-    ROUND_NOISE_KEY,
-    SecureSum,
-    SecureSumDeclined,
-    SiteGuard,
-    secagg_settings,
+    ADVERTISE,
+    COLLECT,
+    MASKED_SHARE,
+    SECURE_SUM,
+    masked_share,
+    read_keys,
+    stage_record,
 )
 from gep_fed.flower.simulation import simulated_site_settings
 from gep_fed.flower.strategy import GEPStrategy
@@ -56,11 +67,18 @@ def server_identity():
 
 
 class LocalGrid:
-    """Every site's real ClientApp, called in this process; ``silent(round, node, stage)``
-    True drops that message (the site never answers it)."""
+    """Every site's real ClientApp, called in this process. ``silent(round, node, stage)``
+    True drops that message (the site never answers it); ``tamper(node, stage, content)``
+    rewrites a message's content before the site gets it (a deviating server)."""
 
-    def __init__(self, fed: FederationConfig, silent=lambda rnd, node, stage: False) -> None:
-        self.app = make_client_app(fed, simulated_site_settings(fed))
+    def __init__(
+        self,
+        fed: FederationConfig,
+        silent=lambda rnd, node, stage: False,
+        tamper=None,
+        settings=None,
+    ) -> None:
+        self.app = make_client_app(fed, settings or simulated_site_settings(fed))
         self.contexts = {
             100 + i: Context(
                 TaskIdentity.run_id,
@@ -71,8 +89,9 @@ class LocalGrid:
             )
             for i in range(fed.num_sites)
         }
-        self.silent = silent
+        self.silent, self.tamper = silent, tamper
         self.received = []  # every reply, as the server got it
+        self.sent = []  # (node, stage, message) of every message delivered
         self.stages = []  # (round, stage) of every message sent
 
     def get_node_ids(self):
@@ -82,11 +101,14 @@ class LocalGrid:
         replies = []
         for msg in messages:
             node = msg.metadata.dst_node_id
-            configs = msg.content.config_records.get(RECORD_KEY_CONFIGS, {})
-            stage, rnd = configs.get(Key.STAGE), int(msg.metadata.group_id or 0)
+            stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
+            rnd = int(msg.metadata.group_id or 0)
             self.stages.append((rnd, stage))
             if self.silent(rnd, node, stage):
                 continue
+            if self.tamper is not None:
+                self.tamper(node, stage, msg.content)
+            self.sent.append((node, stage, msg))
             reply = self.app(msg, self.contexts[node])
             self.received.append(reply)
             replies.append(reply)
@@ -111,12 +133,27 @@ def spy_shares(monkeypatch):
     return shares, sums
 
 
-def run(tmp_path, grid_silent=None, **settings):
+def run(tmp_path, grid_silent=None, tamper=None, site_settings=None, **settings):
     fed = FederationConfig(run_dir=str(tmp_path), run_name="r", **{**FAST, **settings})
-    grid = LocalGrid(fed, grid_silent or (lambda rnd, node, stage: False))
+    silent = grid_silent or (lambda rnd, node, stage: False)
+    extra = site_settings or {}
+    grid = LocalGrid(fed, silent, tamper, {**simulated_site_settings(fed), **extra})
     strategy = GEPStrategy.from_config(fed, TaskIdentity.run_id, progress=False)
     strategy.start(grid)
     return fed, grid, strategy
+
+
+def site_rounds(tmp_path) -> dict[str, list[dict]]:
+    """Each simulated site's own record of its rounds (outcome and cause)."""
+    return {
+        log.parent.name: [json.loads(line) for line in log.read_text().splitlines()]
+        for log in sorted(tmp_path.glob("**/sites/*/rounds.jsonl"))
+    }
+
+
+def site_ledger_steps(tmp_path, site: str) -> int:
+    (path,) = tmp_path.glob(f"**/sites/{site}/ledger.json")
+    return PrivacyLedger.load_keyed(path).steps
 
 
 def test_the_unmasked_sum_is_exactly_the_sum_of_the_sites_shares_and_none_is_seen(
@@ -126,160 +163,278 @@ def test_the_unmasked_sum_is_exactly_the_sum_of_the_sites_shares_and_none_is_see
     _, grid, strategy = run(tmp_path, rounds=1)
     assert [r for r, _ in sums] == [1] and len(shares) == 3
     bits = strategy.server.contract.quantization_bits
-    for i, (_, total) in enumerate(sums):
-        own = shares[3 * i : 3 * i + 3]
-        np.testing.assert_array_equal(total, sum(own) % (1 << bits))
-    # The server's view: every array and byte string of every reply it received.
+    np.testing.assert_array_equal(sums[0][1], sum(shares) % (1 << bits))
+    # The server's view: every array of every reply it received.
     seen = []
     for reply in grid.received:
-        if reply.has_error():
-            continue
-        for record in reply.content.array_records.values():
-            seen += [np.asarray(a.numpy()) for a in record.values()]
-        for record in reply.content.config_records.values():
-            for value in record.values():
-                values = value if isinstance(value, list) else [value]
-                for b in values:
-                    if isinstance(b, bytes) and b[:6] == b"\x93NUMPY":
-                        seen.append(bytes_to_ndarray(b))
-    vectors = [a.reshape(-1) for a in seen if a.size == shares[0].size]
-    assert len(vectors) == 3  # the masked vectors, and nothing else of that length
-    offset = 1 << (bits + 1)  # what Flower's mod adds before masking
-    for v in vectors:
-        for share in shares:
-            # a masked vector agrees with a clear share (or its offset form) by chance only
-            assert np.mean(v == share) < 0.01 and np.mean(v == share + offset) < 0.01
+        if not reply.has_error():
+            for record in reply.content.array_records.values():
+                seen += [np.asarray(a.numpy()).reshape(-1) for a in record.values()]
+    masked = [v for v in seen if v.size == shares[0].size + 1]
+    assert len(masked) == 3 and len(seen) == 3  # the masked shares, and nothing else
+    for v in masked:
+        assert v.dtype == np.uint32
+        for share in shares:  # a masked share agrees with a clear one by chance only
+            assert np.mean(v[1:] == share) < 0.01
     ledger = PrivacyLedger.load(strategy.server.run.ledger_path)
     assert ledger.steps == 1 and {e.placement for e in ledger.events} == {"distributed"}
+    (path,) = tmp_path.glob("**/sites/site-0/ledger.json")
+    site = PrivacyLedger.load_keyed(path)
+    assert [e.noise_shares for e in site.events] == [3]
+    assert site.epsilon_if_shares_exposed() > site.epsilon()  # the share alone: sigma / sqrt(3)
 
 
-def test_a_site_that_drops_after_masking_is_recovered_and_one_before_is_left_out(
-    tmp_path, monkeypatch
-):
-    shares, sums = spy_shares(monkeypatch)
-    after, before = 100, 101  # silent at unmasking; silent at collection (computes nothing)
-    silent = {(after, Stage.UNMASK), (before, Stage.COLLECT_MASKED_VECTORS)}
-    *_, strategy = run(
-        tmp_path,
-        grid_silent=lambda rnd, node, stage: (node, stage) in silent,
-        rounds=1,
-        num_sites=5,
-        noise_shares=3,
-    )
-    assert len(sums) == 1 and len(shares) == 4  # the round completed without site 101
-    bits = strategy.server.contract.quantization_bits
-    # site 100's share is in the sum: its own mask is rebuilt from the others' shares
-    np.testing.assert_array_equal(sums[0][1], sum(shares) % (1 << bits))
-    rows = strategy.server.run.read_metrics()
-    assert [(r["applied"], r["sites_ok"]) for r in rows] == [(True, 4)]
-
-
-def test_too_few_survivors_abandon_the_round_before_anything_is_unmasked(tmp_path, monkeypatch):
+def test_a_site_silent_at_collect_abandons_the_round_with_nothing_revealed(tmp_path, monkeypatch):
     shares, sums = spy_shares(monkeypatch)
     _, grid, strategy = run(
         tmp_path,
-        grid_silent=lambda rnd, node, stage: node == 100 and stage == Stage.COLLECT_MASKED_VECTORS,
+        grid_silent=lambda rnd, node, stage: node == 100 and stage == COLLECT,
         rounds=1,
+        num_sites=4,
+        noise_shares=3,
     )
     assert sums == []  # nothing decoded, nothing stepped
-    assert (1, Stage.UNMASK) not in grid.stages  # no site was asked for unmasking shares
     (row,) = strategy.server.run.read_metrics()
     assert not row["applied"] and row["sites_ok"] == 0
-    assert row["rejected"] == ["site at node 100: no collect_masked_vectors reply"]
+    assert row["rejected"][0] == "site at node 100: no collect reply"
+    assert "round abandoned with nothing revealed" in row["rejected"][1]
     assert PrivacyLedger.load(strategy.server.run.ledger_path).steps == 0
-    assert len(shares) == 2  # the two survivors computed (and recorded) their shares
+    # The three others computed, masked and recorded their shares: their ledgers over-count
+    # the abandoned round, and its masked shares reveal nothing (site 100's masks are in).
+    assert len(shares) == 3
+    assert [site_ledger_steps(tmp_path, f"site-{i}") for i in (1, 2, 3)] == [1, 1, 1]
+    stages = {stage for _, stage in grid.stages}
+    assert stages == {ADVERTISE, COLLECT}  # no stage ever asks a site for a secret
 
 
-def guard_state(noise_shares: int) -> RecordDict:
-    state = RecordDict()
-    state.config_records[ROUND_NOISE_KEY] = ConfigRecord({"noise-shares": noise_shares})
-    return state
+def test_too_few_keys_abandon_the_round_before_any_site_computes(tmp_path, monkeypatch):
+    shares, sums = spy_shares(monkeypatch)
+    _, grid, strategy = run(
+        tmp_path,
+        grid_silent=lambda rnd, node, stage: node == 100 and stage == ADVERTISE,
+        rounds=1,
+    )
+    assert sums == [] and shares == []
+    assert (1, COLLECT) not in grid.stages  # no site was asked for its share
+    (row,) = strategy.server.run.read_metrics()
+    assert not row["applied"]
+    assert row["rejected"] == [
+        "site at node 100: no advertise reply",
+        "2 sites advertised a key, 3 needed: round abandoned",
+    ]
+    assert PrivacyLedger.load(strategy.server.run.ledger_path).steps == 0
 
 
 def test_a_site_that_accepts_no_distributed_round_is_named_with_its_refusal(tmp_path):
     fed = FederationConfig(run_dir=str(tmp_path), run_name="r", rounds=1, **FAST)
-    grid = LocalGrid(fed)
-    grid.app = make_client_app(fed, {**simulated_site_settings(fed), "accept-modes": "client"})
+    grid = LocalGrid(fed, settings={**simulated_site_settings(fed), "accept-modes": "client"})
     strategy = GEPStrategy.from_config(fed, TaskIdentity.run_id, progress=False)
     strategy.start(grid)
     (row,) = strategy.server.run.read_metrics()
     assert not row["applied"]
-    assert row["rejected"] == [
-        f"site at node {n}: setup: refused: mode not allowed" for n in (100, 101, 102)
+    assert row["rejected"][:3] == [
+        f"site at node {n}: advertise: refused: mode not allowed" for n in (100, 101, 102)
     ]
-    logs = sorted(tmp_path.glob("**/sites/*/rounds.jsonl"))  # each site's own record
-    assert len(logs) == 3
-    for site_log in logs:
-        (entry,) = map(json.loads, site_log.read_text().splitlines())
-        assert entry["outcome"] == "mode not allowed"
-        assert entry["cause"] == "secure sum stage setup: declined"
+    for entries in site_rounds(tmp_path).values():
+        assert [e["outcome"] for e in entries] == ["mode not allowed"]
 
 
-def test_a_site_declines_to_unmask_when_fewer_sites_than_its_noise_needs_survive():
-    guard = SiteGuard(max_colluding_sites=1)
-    unmask = {Key.ACTIVE_NODE_ID_LIST: [1, 2, 3], Key.DEAD_NODE_ID_LIST: [4]}
-    guard.check(Stage.UNMASK, ConfigRecord(unmask), guard_state(2))  # 3 >= 2 + 1
-    with pytest.raises(SecureSumDeclined, match="too few sites"):
-        guard.check(Stage.UNMASK, ConfigRecord(unmask), guard_state(3))
-    with pytest.raises(SecureSumDeclined, match="malformed"):  # a node both alive and dead
-        guard.check(
-            Stage.UNMASK,
-            ConfigRecord({Key.ACTIVE_NODE_ID_LIST: [1, 2, 3], Key.DEAD_NODE_ID_LIST: [3]}),
-            guard_state(1),
-        )
-    with pytest.raises(SecureSumDeclined, match="malformed"):  # no collect stage this round
-        guard.check(Stage.UNMASK, ConfigRecord(unmask), RecordDict())
+# -- a server that deviates: each attack of issue 50 against the real site code ----------
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        {Key.SHARE_NUMBER: 3},  # not every site shares with every other
-        {Key.THRESHOLD: 1},  # a single share reconstructs a site's secrets
-        {Key.CLIPPING_RANGE: 1000.0},  # the mod would clip and rescale the shares
-        {Key.TARGET_RANGE: 1 << 22},
-        {Key.MAX_WEIGHT: 2.0},
-        {Key.MOD_RANGE: 1 << 20},  # the sum would wrap
-        {Key.SAMPLE_NUMBER: 2, Key.SHARE_NUMBER: 2, Key.THRESHOLD: 2},  # one pairwise mask
-    ],
-)
-def test_a_site_refuses_secure_sum_settings_that_would_weaken_it(change):
-    settings = secagg_settings(bits=20, sample_num=5, threshold=3)
-    SiteGuard(0).check(Stage.SETUP, ConfigRecord(settings), RecordDict())
-    with pytest.raises(SecureSumDeclined, match="malformed round"):
-        SiteGuard(0).check(Stage.SETUP, ConfigRecord({**settings, **change}), RecordDict())
+def tamper_keys(victim: int, change):
+    """A server that rewrites the list of keys the ``victim`` gets at the collect stage."""
+
+    def tamper(node, stage, content):
+        if node == victim and stage == COLLECT:
+            record = content.config_records[SECURE_SUM]
+            keys = change(read_keys(record))
+            content.config_records[SECURE_SUM] = stage_record(COLLECT, record["round"], keys)
+
+    return tamper
 
 
-def test_a_reconstruction_threshold_a_colluding_group_could_meet_is_refused():
-    settings = secagg_settings(bits=20, sample_num=5, threshold=3)
-    with pytest.raises(SecureSumDeclined):
-        SiteGuard(max_colluding_sites=3).check(Stage.SETUP, ConfigRecord(settings), RecordDict())
+def assert_victim_refused_before_computing(tmp_path, shares, reason, cause):
+    """Site 0 (node 100) refused with ``reason`` (its own record says ``cause``), computed no
+    share and recorded nothing."""
+    entries = site_rounds(tmp_path)["site-0"]
+    assert entries[-1]["outcome"] == reason and cause in entries[-1]["cause"]
+    assert site_ledger_steps(tmp_path, "site-0") == 0
+    assert len(shares) == 2  # the two other sites' shares only
+
+
+def test_n1_a_victim_given_fewer_keys_than_its_noise_split_needs_refuses(tmp_path, monkeypatch):
+    """N1: the victim is told of one neighbour only, so that its share would carry one mask."""
+    shares, sums = spy_shares(monkeypatch)
+    own_and_one = tamper_keys(100, lambda keys: keys[:2])
+    run(tmp_path, tamper=own_and_one, rounds=1)
+    assert sums == []
+    assert_victim_refused_before_computing(tmp_path, shares, "too few sites", "2 sites listed")
+
+
+def forged(keys, run_id, round_, sign_with=None):
+    """Site 1's entry replaced by a key the server made: signed by ``sign_with`` (a key no
+    site pinned), or carrying site 1's site key over a signature that is not its own."""
+    agreement = advertise(sign_with or Ed25519PrivateKey.generate(), run_id, round_)[1]
+    if sign_with is None:
+        agreement = SignedKey(keys[1].site_key, agreement.agreement_key, agreement.signature)
+    return [keys[0], agreement, *keys[2:]]
+
+
+@pytest.mark.parametrize("signer", ["unpinned key", "pinned site's key, forged signature"])
+def test_n2_a_key_no_pinned_peer_signed_is_refused_by_name(tmp_path, monkeypatch, signer):
+    """N2: the server hands the victim agreement keys it made itself."""
+    shares, sums = spy_shares(monkeypatch)
+    outsider = Ed25519PrivateKey.generate() if signer == "unpinned key" else None
+    run_id = TaskIdentity.run_id
+    run(tmp_path, tamper=tamper_keys(100, lambda k: forged(k, run_id, 1, outsider)), rounds=1)
+    assert sums == []
+    if outsider is not None:
+        outsider_text = key_text(outsider.public_key().public_bytes_raw())
+        cause = f"a key signed by {outsider_text}, not a pinned peer"
+    else:
+        cause = "the key listed for site-1 is not signed by it for this round"
+    assert_victim_refused_before_computing(tmp_path, shares, "unpinned peer", cause)
+
+
+def test_n2_a_key_signed_for_another_round_is_refused(tmp_path, monkeypatch):
+    shares, _ = spy_shares(monkeypatch)
+    run_id = TaskIdentity.run_id
+    site_1 = None
+
+    def old_key(keys):
+        # site 1's key file signs a key for round 7: a valid signature for another round
+        nonlocal site_1
+        (path,) = tmp_path.glob("**/sites/site-1/site-key.pem")
+        from gep_fed.federation.secure_sum import load_site_key
+
+        site_1 = advertise(load_site_key(path), run_id, 7)[1]
+        return [keys[0], site_1, *keys[2:]]
+
+    run(tmp_path, tamper=tamper_keys(100, old_key), rounds=1)
+    assert_victim_refused_before_computing(
+        tmp_path, shares, "unpinned peer", "not signed by it for this round"
+    )
+
+
+def test_n3_no_message_makes_a_site_reveal_a_secret_or_mask_twice(tmp_path, monkeypatch):
+    """N3's split survivor lists need an unmask stage; there is none. A site answers an
+    unmask request (Flower's SecAgg+ stage) as a malformed round, and the round's own
+    advertise and collect messages, sent again (a second sum holding the same share), as
+    replayed; its agreement key was erased when it masked."""
+    shares, _ = spy_shares(monkeypatch)
+    _, grid, _ = run(tmp_path, rounds=1)
+    assert len(shares) == 3
+    context = grid.contexts[100]
+    assert "secure-sum-agreement" not in context.state.config_records
+    unmask = Message(
+        content=RecordDict({SECURE_SUM: stage_record("unmask", 1)}),
+        dst_node_id=100,
+        message_type=MessageType.TRAIN,
+    )
+    again = [msg for node, _, msg in grid.sent if node == 100]
+    assert len(again) == 2  # advertise and collect
+    expected = ["malformed round", "replayed round", "replayed round"]
+    assert [grid.app(m, context).error.reason for m in [unmask, *again]] == expected
+    assert len(shares) == 3 and site_ledger_steps(tmp_path, "site-0") == 1
+
+
+@pytest.mark.parametrize("site_split", [2, 4])
+def test_n4_a_round_splitting_the_noise_otherwise_than_the_site_is_refused(
+    tmp_path, monkeypatch, site_split
+):
+    """N4: the round asks noise_shares 3; the sites' own node configs say otherwise."""
+    shares, sums = spy_shares(monkeypatch)
+    run(tmp_path, rounds=1, num_sites=4, noise_shares=3, site_settings={"noise-shares": site_split})
+    assert sums == [] and shares == []
+    for entries in site_rounds(tmp_path).values():
+        assert entries[-1]["outcome"] == "other noise split"
+
+
+def test_n5_masks_have_no_32_bit_bottleneck():
+    """Flower folded each seed to 32 bits (XOR of its words) before MT19937. Two keys that
+    agree in that fold give unrelated masks here."""
+    a = bytes(range(32))
+    b = bytearray(a)
+    for i in (0, 4):  # flip the same bits in two words: the 32-bit XOR fold is unchanged
+        b[i] ^= 0xFF
+    b = bytes(b)
+
+    def fold(seed: bytes) -> int:
+        out = 0
+        for i in range(0, 32, 4):
+            out ^= int.from_bytes(seed[i : i + 4], "little")
+        return out
+
+    assert fold(a) == fold(b) and a != b
+    ma, mb = mask_stream(a, 100_000), mask_stream(b, 100_000)
+    assert ma.min() >= 0 and ma.max() < MODULUS
+    assert np.mean(ma == mb) < 1e-3  # equal words by chance only (2**-32 each)
+    assert abs(float(np.corrcoef(ma, mb)[0, 1])) < 0.02
+    # the pairwise key depends on the whole shared secret through HKDF, bound to the round
+    p1, k1 = advertise(Ed25519PrivateKey.generate(), 1, 1)
+    p2, k2 = advertise(Ed25519PrivateKey.generate(), 1, 1)
+    assert pairwise_key(p1, k1.agreement_key, k2.agreement_key, 1, 1) == pairwise_key(
+        p2, k2.agreement_key, k1.agreement_key, 1, 1
+    )
+    assert pairwise_key(p1, k1.agreement_key, k2.agreement_key, 1, 2) != pairwise_key(
+        p1, k1.agreement_key, k2.agreement_key, 1, 1
+    )
+
+
+def test_a_peers_file_is_read_with_every_problem_named(tmp_path):
+    key = create_site_key(tmp_path / "a.pem")
+    with pytest.raises(ConfigError, match="never overwritten"):
+        create_site_key(tmp_path / "a.pem")
+    good = tmp_path / "peers.txt"
+    good.write_text(f"# the trial's hospitals\nsite-a {key_text(key)}\n")
+    assert PinnedPeers.read(good).name(key) == "site-a"
+    for text, problem in [
+        ("site-a\n", "expected 'NAME PUBLIC-KEY'"),
+        ("site-a bm90IGEga2V5\n", "not a base64 Ed25519 public key"),
+        (f"site-a {key_text(key)}\nsite-b {key_text(key)}\n", "listed twice"),
+        ("# nobody\n", "names no peer"),
+    ]:
+        bad = tmp_path / "bad.txt"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=problem):
+            PinnedPeers.read(bad)
+
+
+def test_a_deployed_site_accepting_distributed_mode_needs_its_keys_and_noise_split(tmp_path):
+    from gep_fed.federation.policy import SiteConfig
+
+    base = {
+        "site-id": "h",
+        "task": "digits",
+        "data-path": "d",
+        "ledger-path": str(tmp_path / "l.json"),
+        "epsilon-budget": 8.0,
+        "delta": 1e-5,
+        "accept-modes": "client,distributed",
+    }
+    with pytest.raises(ConfigError, match="noise-shares"):
+        SiteConfig.from_node_config(base)
+    with pytest.raises(ConfigError, match="'site-key'"):
+        SiteConfig.from_node_config({**base, "noise-shares": 3})
+    cfg = SiteConfig.from_node_config({**base, "noise-shares": 3, "site-key": "k", "peers": "p"})
+    assert cfg.policy.sites_needed() == 3
 
 
 @pytest.mark.parametrize(
     ("value", "why"),
     [
-        ([b"x"], "must be two arrays"),
-        ([b"x", b"y"], "cannot be read"),
-        (
-            [np.array([1]).tobytes(), np.array([1]).tobytes()],
-            "cannot be read",
-        ),
+        (np.arange(8, dtype=np.int64), "must be a vector of uint32"),
+        (np.zeros((2, 4), dtype=np.uint32), "must be a vector of uint32"),
     ],
 )
-def test_a_malformed_masked_vector_is_refused_by_name(value, why):
-    problem = SecureSum(None, 20, 2)._masked_problem(value)
-    assert problem is not None and Key.MASKED_PARAMETERS in problem and why in problem
+def test_a_malformed_masked_share_is_refused_by_name(value, why):
+    from flwr.app import Array, ArrayRecord
 
-
-def test_masked_vectors_out_of_range_or_of_floats_are_refused():
-    from flwr.common import ndarray_to_bytes
-
-    ok = [ndarray_to_bytes(np.array([5])), ndarray_to_bytes(np.arange(8))]
-    assert SecureSum(None, 20, 2)._masked_problem(ok) is None
-    for bad in (np.arange(8) * 1.0, np.array([MOD_RANGE] * 8), -np.arange(1, 9)):
-        value = [ok[0], ndarray_to_bytes(bad)]
-        assert "integers in [0, 2**32)" in SecureSum(None, 20, 2)._masked_problem(value)
+    content = RecordDict({MASKED_SHARE: ArrayRecord({MASKED_SHARE: Array(value)})})
+    reply = Message(content=content, dst_node_id=1, message_type=MessageType.TRAIN)
+    with pytest.raises(ValueError, match=why):
+        masked_share(reply)
 
 
 def test_distributed_settings_are_checked_when_the_run_is_configured():
@@ -287,8 +442,8 @@ def test_distributed_settings_are_checked_when_the_run_is_configured():
         FederationConfig(mode="distributed", num_sites=3, noise_shares=4)
     with pytest.raises(ConfigError, match="distributed mode needs"):
         FederationConfig(mode="distributed", noise_multiplier=0.0)
-    with pytest.raises(ConfigError, match="at least 3 sites"):
-        FederationConfig(mode="distributed", num_sites=2, min_sites=1)
+    with pytest.raises(ConfigError, match="at least 2 sites"):
+        FederationConfig(mode="distributed", num_sites=1, min_sites=1)
 
 
 def test_distributed_calibration_spends_the_budget_with_about_central_noise():
@@ -321,3 +476,26 @@ def test_bgep_and_gp_rounds_are_summed_decoded_and_stepped(tmp_path, monkeypatch
 def test_quantization_bits_out_of_range_are_named_when_the_run_is_configured():
     with pytest.raises(ConfigError, match="quantization_bits"):
         FederationConfig(mode="distributed", quantization_bits=40)
+
+
+def test_a_share_alone_is_accounted_as_one_discrete_gaussian_at_sigma_over_root_t():
+    """The ledger's second figure (N4): what a site's own share guarantees if more sites
+    collude than it assumed, against the same release built directly at sigma / sqrt(t)."""
+    from dataclasses import replace
+
+    from gep_fed.mechanisms.distributed_noise import distributed_event
+
+    contract = FederationConfig(rounds=20, **{**FAST, "num_sites": 4}).contract
+    t, dimension = contract.noise_shares, 4096
+    assert t == 4
+    events = contract.events(20, dimension=dimension)
+    alone = [e.share_alone() for e in events]
+    root = math.sqrt(t)
+    direct = distributed_event(
+        contract.mechanism_type.event(contract.noise_multiplier / root, contract.sample_rate),
+        replace(contract.distributed_noise, noise_shares=1),
+        dimension,
+        contract.mechanism_type.releases,
+    )
+    assert epsilon_rdp(alone, 1e-5) == pytest.approx(epsilon_rdp([direct] * 20, 1e-5), rel=1e-9)
+    assert epsilon_rdp(alone, 1e-5) > 2 * epsilon_rdp(events, 1e-5)

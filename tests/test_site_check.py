@@ -124,3 +124,29 @@ def test_the_check_reports_a_folder_matching_no_declared_class_with_its_image_co
     config["data-path"] = folders["h1"]
     result = check_site(config)
     assert not result.ok and f"folder 'three' holds {count} image(s)" in result.errors[0]
+
+
+def test_the_check_reads_a_distributed_sites_key_and_peers_and_names_what_is_wrong(
+    tmp_path, capsys
+):
+    from gep_fed.federation.secure_sum import create_site_key, key_text
+
+    config = site(tmp_path)
+    public = create_site_key(tmp_path / "site.pem")
+    peers = tmp_path / "peers.txt"
+    peers.write_text(f"h1 {key_text(public)}\nh2 {key_text(public[::-1])}\n")
+    distributed = {
+        **config,
+        "accept-modes": "client,distributed",
+        "noise-shares": 2,
+        "site-key": str(tmp_path / "site.pem"),
+        "peers": str(peers),
+    }
+    assert check_site(distributed).ok
+    missing = check_site({**distributed, "site-key": str(tmp_path / "other.pem")})
+    assert missing.errors == (
+        f"distributed mode: site key {tmp_path / 'other.pem'}: cannot read it "
+        "(No such file or directory)",
+    )
+    peers.write_text("h1\n")
+    assert "expected 'NAME PUBLIC-KEY'" in check_site(distributed).errors[0]

@@ -13,7 +13,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -146,6 +146,23 @@ class PrivacyEvent:
     @property
     def is_distributed(self) -> bool:
         return self.placement == "distributed"
+
+    def share_alone(self) -> PrivacyEvent:
+        """A distributed release as it would be if this party's own share were seen alone
+        (more sites colluding than ``max_colluding_sites``): one discrete Gaussian carrying
+        ``1 / noise_shares`` of the noise variance, so every noise multiplier is divided by
+        ``sqrt(noise_shares)`` and no sum of shares (``tau = 0``). Other events: unchanged."""
+        if not self.is_distributed:
+            return self
+        root = math.sqrt(self.noise_shares)
+        return replace(
+            self,
+            noise_multiplier=self.noise_multiplier / root,
+            accounting_noise_multiplier=self.accounting_noise_multiplier / root,
+            discrete_l2_scale=self.discrete_l2_scale * root,
+            discrete_tau=0.0,
+            noise_shares=1,
+        )
 
     def dp_event(self) -> dp_accounting.DpEvent:
         dp = _dp()

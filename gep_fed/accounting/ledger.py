@@ -102,6 +102,12 @@ class PrivacyLedger:
         """Epsilon spent so far at ``self.delta`` ("rdp" or "pld")."""
         return _EPSILON[accountant](self._events, self.delta)
 
+    def epsilon_if_shares_exposed(self) -> float:
+        """The RDP epsilon at ``self.delta`` if every distributed share of this party were
+        seen alone (more colluders than it assumed): what its noise share alone guarantees.
+        Equal to ``epsilon()`` for a ledger without distributed releases."""
+        return epsilon_rdp([e.share_alone() for e in self._events], self.delta)
+
     def epsilon_after(self, new_events: Sequence[PrivacyEvent]) -> float:
         """The RDP epsilon if ``new_events`` were recorded too."""
         return epsilon_rdp([*self._events, *new_events], self.delta)

@@ -92,7 +92,7 @@ class AuditSetup:
             ``FederationServer``), "client" (``Site`` local steps with its own noise) or
             "distributed" (the audited ``Site`` and two more, holding other examples, each
             quantise and add a third of the noise; their shares are summed modulo 2**bits, as
-            SecAgg+ sums them, and the server decodes the sum).
+            the secure sum adds them, and the server decodes the sum).
         epsilon, delta: the target the noise multiplier is calibrated to (the claim).
         canaries: m; steps and sample_rate: T and q of the audited run.
         examples: real private examples at the audited site (scikit-learn's digits); few, so
@@ -202,7 +202,9 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
             fed, task, run, total_examples=fed.total_examples, observers=(canaries,)
         )
         budget = fed.target_epsilon
-        policy = SitePolicy(budget, s.delta, accepted_modes=AUDIT_MODES[1:])
+        policy = SitePolicy(
+            budget, s.delta, accepted_modes=AUDIT_MODES[1:], noise_shares=fed.shares_needed
+        )
         sites = [
             Site(
                 "audited-site" if i == 0 else f"peer-{i}",
@@ -224,7 +226,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
                 releases.append(site.run_round(plan.config, server.subspace))
             if s.mode == "central":
                 server.apply_central(round_, [releases[0].sums])
-            elif distributed:  # what SecAgg+ reveals: the sum modulo 2**bits
+            elif distributed:  # what the secure sum reveals: the sum modulo 2**bits
                 modulus = 1 << contract.quantization_bits
                 server.apply_distributed(round_, sum(r.share for r in releases) % modulus)
         ledger = sites[0].ledger if s.mode == "client" else server.ledger

@@ -199,6 +199,16 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _site_keygen(args: argparse.Namespace) -> int:
+    from gep_fed.federation.secure_sum import create_site_key, key_text
+
+    if not args.name or any(c.isspace() for c in args.name):
+        raise ConfigError(f"--name must be one word, got {args.name!r}")
+    public = create_site_key(args.path)
+    print(f"{args.name} {key_text(public)}")
+    return 0
+
+
 def _ledger_init(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if path.exists():
@@ -232,6 +242,14 @@ def _ledger_show(args: argparse.Namespace) -> int:
         f"  epsilon {ledger.epsilon():.4f} (RDP), {pld_text(ledger.epsilon('pld'))} at "
         f"delta={ledger.delta:g}"
     )
+    distributed = [e for e in ledger.events if e.is_distributed]
+    if distributed:
+        colluders = max(e.max_colluding_sites for e in distributed)
+        print(
+            f"  {sum(e.steps for e in distributed)} step(s) in secure sums: epsilon "
+            f"{ledger.epsilon_if_shares_exposed():.4f} (RDP) if more than {colluders} other "
+            "site(s) colluded with the coordinator and its own noise shares were seen alone"
+        )
     return 0
 
 
@@ -572,6 +590,17 @@ def build_parser() -> argparse.ArgumentParser:
         "'normal,pneumonia'): a site whose class folders name others fails the check",
     )
     check.set_defaults(func=_site_check)
+    keygen = site_sub.add_parser(
+        "keygen",
+        help="make the site's secure-sum key (distributed mode) and print its public key",
+        description="Writes a new Ed25519 key (PEM, mode 600; never overwritten) for the node "
+        "config's site-key, and prints the line the other hospitals add to their peers file: "
+        "'NAME PUBLIC-KEY'. Exchange these lines by a channel you trust (and compare them by "
+        "phone): a site accepts in a secure sum only keys signed by a peer it pinned.",
+    )
+    keygen.add_argument("path", help="the key file to create")
+    keygen.add_argument("--name", required=True, help="the site's name in the peers files")
+    keygen.set_defaults(func=_site_keygen)
     return parser
 
 

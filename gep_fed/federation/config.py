@@ -19,7 +19,7 @@ from pathlib import Path
 from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.mechanisms.contract import FEDERATED_MECHANISMS, PrivacyContract
-from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS, max_secure_sum_sites
+from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS
 from gep_fed.mechanisms.step_config import ANCHOR_LABELS, GEPConfig
 from gep_fed.validation import (
     AT_LEAST_ONE,
@@ -72,7 +72,7 @@ class FederationConfig:
         mode: "client" (default; each site adds its own noise and keeps its own ledger, the
             server is not trusted), "central" (sites send unnoised clipped sums to a
             trusted server, which adds the noise once per round) or "distributed" (each site
-            adds a share of discrete noise to its quantised clipped sums and SecAgg+ shows
+            adds a share of discrete noise to its quantised clipped sums and a secure sum shows
             the server only their sum: central mode's noise without a trusted server).
         noise_shares, quantization_bits: distributed mode: the sum must hold the noise of at
             least ``noise_shares`` sites (0: all ``num_sites``; each adds 1/t of the
@@ -123,8 +123,8 @@ class FederationConfig:
         "client",
         "client: each site noises its own updates and keeps its own ledger (untrusted "
         "server); central: sites send unnoised clipped sums, the trusted server adds the "
-        "noise; distributed: each site adds a share of discrete noise and secure aggregation "
-        "(SecAgg+) shows the server only the sum",
+        "noise; distributed: each site adds a share of discrete noise and a secure sum (pairwise "
+        "masks, keys signed by the sites' pinned peers) shows the server only the sum",
     )
     noise_shares: int = _opt(
         0,
@@ -278,17 +278,11 @@ class FederationConfig:
             Range(0, integer=True).check("noise_shares", self.noise_shares)
             if self.mechanism == "langevin" or self.noise_multiplier == 0:
                 raise ConfigError("distributed mode needs gep, bgep or gp with noise")
-            if self.num_sites < 3:  # the sites refuse smaller secure sums (secure_sum.py)
-                raise ConfigError("distributed mode needs at least 3 sites")
+            if self.num_sites < 2:  # a secure sum of one site is its share
+                raise ConfigError("distributed mode needs at least 2 sites")
             Range(MIN_BITS, MAX_BITS, integer=True).check(
                 "quantization_bits", self.quantization_bits
             )
-            if self.num_sites > max_secure_sum_sites(self.quantization_bits):
-                raise ConfigError(
-                    f"quantization_bits {self.quantization_bits} lets the secure sum hold at "
-                    f"most {max_secure_sum_sites(self.quantization_bits)} sites, got "
-                    f"num_sites {self.num_sites}: lower quantization_bits"
-                )
             if self.shares_needed > self.num_sites:
                 raise ConfigError(
                     f"noise_shares ({self.noise_shares}) cannot exceed num_sites ({self.num_sites})"

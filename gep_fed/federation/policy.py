@@ -16,6 +16,7 @@ simulation SuperLink reads the TOML file named by ``GEP_FED_SIMULATED_SITE``), e
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import tomllib
@@ -23,10 +24,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from gep_fed.accounting.ledger import default_key_path
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.federation.config import AUGMENTATION_COPIES, MODES, FederationConfig
+from gep_fed.federation.secure_sum import (
+    PinnedPeers,
+    create_site_key,
+    key_text,
+    load_site_key,
+)
 from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
 from gep_fed.validation import AT_LEAST_ONE, DELTA, ConfigError
 
@@ -44,6 +53,8 @@ DEFAULT_MAX_AUGMENTATION_COPIES = 16
 # 0.5 GiB; ResNet-18-GN at 64x64, k = 100 from 1,000 anchors, 4.9e11 and 1.9 GiB.
 DEFAULT_MAX_REBUILD_WORK = 10**13
 DEFAULT_MAX_REBUILD_MIB = 8 * 1024
+# A simulated site's secure-sum signing key, in its folder (``.pub``: its public key).
+SIMULATED_SITE_KEY = "site-key.pem"
 
 # Keys a deployed site's node config may hold, with what they mean (``gep-fed site check
 # --help`` prints them).
@@ -65,8 +76,14 @@ NODE_CONFIG_KEYS = {
     "accept-modes": "'client' (default), or a list such as 'client,distributed' or "
     "'client,central' (central trusts the server; distributed trusts secure aggregation)",
     "max-colluding-sites": "distributed mode: how many other sites may collude with the "
-    "server (their noise shares are not counted); the site unmasks only when at least the "
-    "round's noise shares plus this many sites survive (default 0)",
+    "server (their noise shares are not counted); the site masks its share only when at least "
+    "its noise-shares plus this many pinned sites are listed in the round (default 0)",
+    "noise-shares": "distributed mode (required there): t, the number of shares the noise is "
+    "split into; this site adds 1/t of the noise variance and refuses rounds with another t",
+    "site-key": "distributed mode (required there): this site's Ed25519 key file, which signs "
+    "its secure-sum keys (make one with gep-fed site keygen)",
+    "peers": "distributed mode (required there): a file of the sites this site sums with, one "
+    "'NAME PUBLIC-KEY' a line; a key no pinned peer signed is refused",
     "max-local-steps": "the most private steps this site takes in one client-mode round "
     f"(compute; default {DEFAULT_MAX_LOCAL_STEPS}); rounds asking more are refused",
     "max-augmentation-copies": "the most augmented copies of each example this site "
@@ -106,10 +123,14 @@ class SitePolicy:
         delta: the delta at which the site's ledger accounts and enforces the budget.
         accepted_modes: "client" only by default; "central" means trusting the server with
             unnoised clipped sums, so it needs this explicit opt-in; "distributed" trusts
-            the server to follow SecAgg+ (it sees only the sum of the sites' shares).
+            secure aggregation with the pinned peers (the server sees only the sum of the
+            sites' noised shares, whatever it does).
         max_colluding_sites: distributed mode: other sites that may collude with the server
-            (their noise shares are not counted). The site reveals its unmasking shares only
-            when at least ``noise_shares + max_colluding_sites`` sites are in the sum.
+            (their noise shares are not counted). The site masks its share only when at least
+            ``noise_shares + max_colluding_sites`` pinned sites are listed in the round.
+        noise_shares: distributed mode: t, the shares the noise is split into; the site adds
+            ``sigma**2 / t`` of noise variance, so its share alone would carry noise
+            multiplier ``sigma / sqrt(t)``. Rounds with another t are refused.
         release_metrics: let a raw training loss leave the site (outside the guarantee,
             labelled so everywhere). Off by default.
         allow_no_noise: accept sigma = 0, i.e. no privacy at all (tests only). Off by default.
@@ -131,6 +152,7 @@ class SitePolicy:
     allow_no_noise: bool = False
     noise_seed: int | None = None
     max_colluding_sites: int = 0
+    noise_shares: int | None = None
     max_local_steps: int = DEFAULT_MAX_LOCAL_STEPS
     max_augmentation_copies: int = DEFAULT_MAX_AUGMENTATION_COPIES
     max_rebuild_work: int = DEFAULT_MAX_REBUILD_WORK
@@ -156,6 +178,13 @@ class SitePolicy:
             raise ConfigError(
                 f"max-colluding-sites must be an integer >= 0, got {self.max_colluding_sites!r}"
             )
+        if "distributed" in self.accepted_modes and not (
+            isinstance(self.noise_shares, int) and self.noise_shares >= 1
+        ):
+            raise ConfigError(
+                "accept-modes lists distributed: noise-shares (an integer >= 1) must say how "
+                f"many shares this site's noise is split into, got {self.noise_shares!r}"
+            )
         AT_LEAST_ONE.check("max-local-steps", self.max_local_steps)
         AUGMENTATION_COPIES.check("max-augmentation-copies", self.max_augmentation_copies)
         AT_LEAST_ONE.check("max-rebuild-work", self.max_rebuild_work)
@@ -167,10 +196,10 @@ class SitePolicy:
         if cost.work > self.max_rebuild_work or cost.bytes > self.max_rebuild_mib * 2**20:
             raise RoundRefused("over compute limit")
 
-    def survivors_needed(self, noise_shares: int) -> int:
-        """The fewest sites in a distributed sum for which this site reveals its unmasking
-        shares: the round's noise shares, from sites other than the colluders it assumes."""
-        return noise_shares + self.max_colluding_sites
+    def sites_needed(self) -> int:
+        """The fewest pinned sites (this one included) a distributed round must list before
+        this site masks its share: its noise shares, from sites other than the colluders."""
+        return (self.noise_shares or 0) + self.max_colluding_sites
 
     def admit(self, rc: RoundConfig, last_round: int | None) -> None:
         """Refuse (``RoundRefused``) a round this policy does not allow. The ledger's budget
@@ -184,6 +213,8 @@ class SitePolicy:
             raise RoundRefused("over budget")  # epsilon would be infinite
         if (rc.mode == "distributed") != rc.privacy.is_distributed:
             raise RoundRefused("malformed round")
+        if rc.mode == "distributed" and rc.privacy.noise_shares != self.noise_shares:
+            raise RoundRefused("other noise split")
         steps = rc.local_steps if rc.mode == "client" else 1
         if steps > self.max_local_steps or rc.augmentation_copies > self.max_augmentation_copies:
             raise RoundRefused("over compute limit")
@@ -201,6 +232,9 @@ class SiteConfig:
             simulated site, which trains the simulation's task.
         model, task_data_dir, task_options: the task's settings at this site.
         max_chunk: at most this many examples are differentiated at once (memory).
+        site_key_path, peers_path: distributed mode: the site's Ed25519 key file and its
+            pinned peers (``gep_fed.federation.secure_sum``). A simulated site's key is made
+            in its folder on first use, and it pins the simulation's other sites' keys.
         data_path: the site's private data (deployed sites).
         partition_id, num_partitions: the simulated site's share of the pooled data.
         ledger_path, ledger_key_path: the site's ledger and its HMAC key, on its own disk.
@@ -225,6 +259,8 @@ class SiteConfig:
     new_ledger: bool = False
     device: str = "auto"
     num_workers: int = 0
+    site_key_path: str = ""
+    peers_path: str = ""
 
     @property
     def simulated(self) -> bool:
@@ -300,6 +336,7 @@ class SiteConfig:
             allow_no_noise=no_noise,
             noise_seed=None if seed is None else seed + (pid or 0),
             max_colluding_sites=get.integer("max-colluding-sites") or 0,
+            noise_shares=get.integer("noise-shares"),
             max_local_steps=get.integer("max-local-steps", DEFAULT_MAX_LOCAL_STEPS),
             max_augmentation_copies=get.integer(
                 "max-augmentation-copies", DEFAULT_MAX_AUGMENTATION_COPIES
@@ -314,6 +351,15 @@ class SiteConfig:
         if max_chunk is not None and max_chunk < 1:
             raise ConfigError(f"node config max-chunk must be >= 1, got {max_chunk}")
         medmnist = get.text("medmnist-path")
+        site_key, peers = get.text("site-key"), get.text("peers")
+        if simulated:
+            site_key = site_key or str(Path(ledger).parent / SIMULATED_SITE_KEY)
+        elif "distributed" in modes and not (site_key and peers):
+            raise ConfigError(
+                "accept-modes lists distributed: the node config needs 'site-key' (this "
+                "site's signing key, from gep-fed site keygen) and 'peers' (the file of the "
+                "other sites' public keys it accepts)"
+            )
         return cls(
             site_id=site_id,
             policy=policy,
@@ -331,7 +377,30 @@ class SiteConfig:
             new_ledger=get.flag("new-ledger") or simulated,
             device=device,
             num_workers=get.integer("num-workers") or 0,
+            site_key_path=site_key,
+            peers_path=peers,
         )
+
+    def pinned_peers(self) -> PinnedPeers:
+        """The peers this site sums with: its ``peers`` file; a simulated site without one
+        pins the keys of every site of its simulation (their folders beside its own)."""
+        if self.peers_path:
+            return PinnedPeers.read(self.peers_path)
+        if not self.simulated:
+            raise ConfigError("node config needs 'peers' for distributed mode")
+        folder = Path(self.site_key_path).parent.parent
+        names = {}
+        for pub in sorted(folder.glob(f"*/{SIMULATED_SITE_KEY}.pub")):
+            names[base64.b64decode(pub.read_text().strip())] = pub.parent.name
+        return PinnedPeers(names)
+
+    def site_key(self) -> Ed25519PrivateKey:
+        """The site's signing key (a simulated site's is made on first use)."""
+        path = Path(self.site_key_path)
+        if self.simulated and not path.exists():
+            public = create_site_key(path)
+            path.with_name(path.name + ".pub").write_text(key_text(public) + "\n")
+        return load_site_key(path)
 
 
 def simulated_site_name(settings: Mapping[str, object]) -> str:

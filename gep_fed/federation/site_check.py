@@ -135,6 +135,12 @@ def check_site(
             ledger = "none yet: new-ledger will create it, its key and its mark on first start"
         else:
             errors.append(str(err))
+    if "distributed" in cfg.policy.accepted_modes:  # its secure-sum key and pinned peers
+        try:
+            cfg.site_key()
+            cfg.pinned_peers()
+        except ConfigError as err:
+            errors.append(f"distributed mode: {err}")
     return SiteCheck(
         **found,
         examples=len(checked),

@@ -58,6 +58,10 @@ REFUSALS = {
     "site error": 605,
     "too few sites": 606,
     "over compute limit": 607,
+    # distributed mode: a listed key that no pinned peer signed for this round
+    "unpinned peer": 608,
+    # distributed mode: the round splits the noise into other than the site's noise-shares
+    "other noise split": 609,
 }
 
 
@@ -142,7 +146,7 @@ class RoundConfig:
         round: the federated round (from 1; strictly increasing within a run).
         mode: "central" (site sends unnoised clipped sums to a trusted server), "client"
             (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta)
-            or "distributed" (site sends its quantised noised share, masked by SecAgg+).
+            or "distributed" (site sends its quantised noised share, masked for the secure sum).
         privacy: the privacy contract (mechanism, sigma, q, clip norms): what the site clips,
             noises and accounts, and what the server's own mechanism is built from.
         local_steps, local_lr, local_momentum: the site's optimiser in client mode.

@@ -1,8 +1,9 @@
 """Flower ClientApp helper: one site. Thin: Flower records in, ``federation.site`` calls, out.
 
 What leaves the site: the clipped sums (central mode, only if the site's policy accepts it),
-the noisy model delta (client-side mode), or, in distributed mode and only through Flower's
-SecAgg+ mod (``gep_fed.flower.secure_sum``), the site's masked noised share, plus data-free
+the noisy model delta (client-side mode), or, in distributed mode and only at the secure
+sum's collect stage (``gep_fed.federation.secure_sum``), the site's masked noised share, after
+it has checked every listed key against its pinned peers, plus data-free
 metrics (bytes received, basis
 id, steps, the site's epsilon, which depends on public parameters only). A raw training loss
 leaves only when the *site's* policy allows it, under a key that says it is outside the
@@ -17,6 +18,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import (
     Array,
@@ -40,13 +42,20 @@ from gep_fed.accounting.ledger import (
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig, simulated_site_name
+from gep_fed.federation.secure_sum import (
+    SecureSumRefused,
+    SignedKey,
+    advertise,
+    check_keys,
+    masked_vector,
+)
 from gep_fed.federation.site import Site, resolve_device, site_dataset
 from gep_fed.flower.secure_sum import (
-    RECORD_KEY_CONFIGS,
-    SecureSumDeclined,
-    SiteGuard,
-    check_round_settings,
-    secure_sum_mod,
+    ADVERTISE,
+    COLLECT,
+    MASKED_SHARE,
+    SECURE_SUM,
+    read_keys,
 )
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import ConfigError
@@ -58,6 +67,8 @@ _SITES: dict[tuple[int, int], tuple[Site, SiteConfig]] = {}
 BASIS_ID_KEY = "basis-id"
 BASIS_DTYPE_KEY = "basis-dtype"  # how the held basis is stored
 LAST_ROUND_KEY = "last-round"
+# A distributed round's agreement key, from the advertise stage to the collect stage.
+AGREEMENT_KEY = "secure-sum-agreement"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
 # A simulated site's rounds and their outcomes, in its folder of the run directory.
 SITE_ROUNDS = "rounds.jsonl"
@@ -178,7 +189,7 @@ def _basis(
     if wire.BASIS in msg.content.array_records:
         record = msg.content.array_records[wire.BASIS]
         if wire.is_anchor_record(record):
-            anchors = wire.decode_anchors(record, site.layout)
+            anchors = wire.decode_anchors(record, site.layout, admit=site.policy.admit_rebuild)
             subspace = wire.checked_basis(site.rebuild_subspace(anchors))
             kept = _arrays(wire.encode_basis(subspace))
         else:
@@ -209,11 +220,8 @@ def _train(
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     # Policy and layout first: a refused round changes nothing the site holds.
     site.admit(rc, last_round)
-    if rc.mode == "distributed":
-        # A share leaves only masked, through the secure sum's collect stage (the mod).
-        if RECORD_KEY_CONFIGS not in msg.content.config_records:
-            raise wire.RoundRefused("malformed round")
-        check_round_settings(context.state, rc.privacy.quantization_bits, rc.privacy.noise_shares)
+    if rc.mode == "distributed":  # a share leaves only masked, after the keys are checked
+        agreement = _checked_keys(msg, context, rc, site)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
     subspace, received = _basis(msg, context, rc, site)
@@ -222,13 +230,10 @@ def _train(
     metrics = {"basis-bytes-received": received, BASIS_ID_KEY: rc.basis_id}
     if release.sums is not None:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
-    elif release.share is not None:  # in the legacy form Flower's SecAgg+ mod masks
-        payload = {
-            "fitres.parameters": _arrays({"share": release.share}),
-            "fitres.num_examples": MetricRecord({"num_examples": 1}),
-            "fitres.metrics": ConfigRecord({}),
-            "fitres.status": ConfigRecord({"code": 0, "message": ""}),
-        }
+    elif release.share is not None:
+        private, own, keys = agreement
+        masked = masked_vector(release.share, private, own, keys, msg.metadata.run_id, rc.round)
+        payload = {MASKED_SHARE: _arrays({MASKED_SHARE: masked.astype(np.uint32)})}
     else:
         delta = wire.encode_delta(site.layout, release.delta)
         payload = {wire.MODEL_DELTA: _arrays(delta)}
@@ -246,6 +251,56 @@ def _train(
     return Message(content=content, reply_to=msg)
 
 
+def _advertise(msg: Message, context: Context, fed: FederationConfig | None, simulation) -> Message:
+    """The secure sum's first stage: a fresh agreement key for the round, signed with the
+    site's key and kept (private part) until the collect stage."""
+    admit_task(context, fed)
+    record = msg.content.config_records[SECURE_SUM]
+    round_ = record.get("round")
+    if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 1:
+        raise wire.RoundRefused("malformed round")
+    site = _site(context, fed, simulation)
+    if "distributed" not in site.policy.accepted_modes:
+        raise wire.RoundRefused("mode not allowed")
+    last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
+    if last_round is not None and round_ <= last_round:
+        raise wire.RoundRefused("replayed round")
+    cfg = _SITES[(context.run_id, context.node_id)][1]
+    private, signed = advertise(cfg.site_key(), msg.metadata.run_id, round_)
+    context.state[AGREEMENT_KEY] = ConfigRecord(
+        {"round": round_, "private": private, "signed": b"".join(signed.as_list())}
+    )
+    content = RecordDict({SECURE_SUM: ConfigRecord({"signed-key": b"".join(signed.as_list())})})
+    return Message(content=content, reply_to=msg)
+
+
+def _checked_keys(
+    msg: Message, context: Context, rc: wire.RoundConfig, site: Site
+) -> tuple[bytes, SignedKey, list[SignedKey]]:
+    """The collect stage's keys, checked against this site's pinned peers and noise split
+    before anything is computed; the round's agreement key is erased from the site's state
+    here, so it masks one share at most."""
+    held = context.state.config_records.get(AGREEMENT_KEY)
+    if AGREEMENT_KEY in context.state.config_records:
+        del context.state.config_records[AGREEMENT_KEY]
+    record = msg.content.config_records.get(SECURE_SUM)
+    if record is None or record.get("stage") != COLLECT or record.get("round") != rc.round:
+        raise wire.RoundRefused("malformed round")
+    if held is None or held.get("round") != rc.round:
+        raise wire.RoundRefused("malformed round")  # no key advertised for this round
+    try:
+        keys = read_keys(record)
+    except ValueError:
+        raise wire.RoundRefused("malformed round") from None
+    signed = held["signed"]
+    own = SignedKey(signed[:32], signed[32:64], signed[64:])
+    cfg = _SITES[(context.run_id, context.node_id)][1]
+    check_keys(
+        keys, own, cfg.pinned_peers(), msg.metadata.run_id, rc.round, site.policy.sites_needed()
+    )
+    return held["private"], own, keys
+
+
 def handle_train(
     msg: Message,
     context: Context,
@@ -259,10 +314,16 @@ def handle_train(
     simulated site's from the run config. A deployed site takes nothing from either but
     the task's name, which must equal its node config's."""
     try:
+        stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
+        if stage == ADVERTISE:
+            return _advertise(msg, context, fed, simulation)
         reply = _train(msg, context, fed, simulation)
         _note_simulated_outcome(msg, context, fed, simulation, "accepted", None)
         return reply
-    except (wire.RoundRefused, SecureSumDeclined) as refused:
+    except SecureSumRefused as refused:
+        reason, cause = refused.reason, f"secure sum: {refused.detail}"
+        log.warning("secure sum refused: %s", refused)
+    except wire.RoundRefused as refused:
         reason, cause = refused.reason, None
         log.warning("round refused: %s", reason)
     except (wire.WireError, ConfigError, KeyError) as err:
@@ -322,15 +383,7 @@ def make_client_app(
     builds a configuration from the run config, so no string the server sends is imported
     there."""
 
-    def guard(context: Context) -> SiteGuard:
-        policy = _site(context, fed, simulation).policy
-        return SiteGuard(policy.max_colluding_sites, "distributed" in policy.accepted_modes)
-
-    def declined(msg: Message, context: Context, reason: str, cause: str) -> Message:
-        _note_simulated_outcome(msg, context, fed, simulation, reason, cause)
-        return refusal(msg, reason)
-
-    client = ClientApp(mods=[secure_sum_mod(guard, declined)])
+    client = ClientApp()
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:

@@ -4,7 +4,7 @@ Each round: stop if the round would exceed the budget; compute the anchor subspa
 and send weights, basis and round config to every site; validate every reply (a bad one is
 rejected, named in the log and in the round's metrics, and the round goes on with the
 others); aggregate with central noise, average the sites' noisy deltas, or (distributed)
-run the secure sum of the sites' noised shares over SecAgg+ and decode it; evaluate on the
+run the secure sum of the sites' noised shares and decode it; evaluate on the
 server's data (and with the caller's ``evaluate_fn``); record the round in the ledger,
 checkpoint, and append the round's metrics.
 """
@@ -465,18 +465,15 @@ class GEPStrategy(Strategy):
     def secure_train(
         self, server_round: int, messages: Iterable[Message], grid: Grid, timeout: float | None
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Distributed mode's round: the secure sum of the sites' noised shares (SecAgg+,
-        ``gep_fed.flower.secure_sum``), decoded and stepped like central mode. With fewer
-        than ``noise_shares`` (or ``min_sites``) survivors the round is abandoned: nothing is
-        unmasked, the model is unchanged and the server accounts nothing."""
+        """Distributed mode's round: the secure sum of the sites' noised shares
+        (``gep_fed.flower.secure_sum``), decoded and stepped like central mode. With fewer
+        than ``noise_shares`` (or ``min_sites``) sites advertising a key, or any listed site's
+        share missing, the round is abandoned: nothing is revealed, the model is unchanged
+        and the server accounts nothing."""
         server = self.server
         needed = max(self.cfg.shares_needed, self.cfg.min_sites)
         result = SecureSum(
-            grid,
-            server.contract.quantization_bits,
-            needed,
-            timeout=timeout,
-            group_id=str(server_round),
+            grid, server_round, server.contract.quantization_bits, needed, timeout=timeout
         ).run(
             {m.metadata.dst_node_id: m.content for m in messages},
             lambda node, msg: self._share_problem(server_round, node, msg),
@@ -499,8 +496,8 @@ class GEPStrategy(Strategy):
         if total is None:
             info.update(sites_ok=0, applied=False)
             log.warning(
-                "round %d: the secure sum was abandoned (%d of the %d sites its noise needs "
-                "survived): nothing is unmasked or accounted",
+                "round %d: the secure sum was abandoned (%d sites' shares arrived, at least %d "
+                "needed and every listed site's): nothing is revealed or accounted",
                 server_round,
                 len(result.survivors),
                 needed,

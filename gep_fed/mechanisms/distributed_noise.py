@@ -1,8 +1,8 @@
 """Distributed discrete Gaussian noise (Kairouz, Liu & Steinke, ICML 2021) for secure sums.
 
 In distributed mode each site turns its clipped sums into integers and adds its *share* of
-the noise; secure aggregation (SecAgg+) shows the server only the sum modulo ``2**bits``, which
-carries the noise of every site in it. Per site and step:
+the noise; the secure sum (``gep_fed.federation.secure_sum``) shows the server only the sum
+modulo ``2**bits``, which carries the noise of every site in it. Per site and step:
 
 1. normalise: the released vectors divided by their clip norms and concatenated (GEP:
    embedding / S1 and residual / S2, so one example moves it by at most sqrt(2)), padded to
@@ -38,15 +38,8 @@ from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.validation import ConfigError
 
+# The shares' modulus 2**bits divides the secure sum's 2**32, so the sum reduces exactly.
 MIN_BITS, MAX_BITS = 8, 24
-# The secure sum's modulus is 2**32 (Flower's masks are drawn below it); each share is offset
-# into [0, 2**(bits+1)), so the sum of n shares must stay below it.
-SECURE_SUM_BITS = 32
-
-
-def max_secure_sum_sites(bits: int) -> int:
-    """The most sites whose shares of ``bits`` bits the secure sum holds without wrapping."""
-    return ((1 << SECURE_SUM_BITS) - 1) >> (bits + 1)
 
 
 # The modular range must cover this many standard deviations of a coordinate of the sum.
