@@ -112,12 +112,6 @@ class PrivacyLedger:
         """The RDP epsilon if ``new_events`` were recorded too."""
         return epsilon_rdp([*self._events, *new_events], self.delta)
 
-    def remaining(self) -> float:
-        """Budget left in epsilon (inf without a budget)."""
-        if self.budget_epsilon is None:
-            return math.inf
-        return max(0.0, self.budget_epsilon - self.epsilon())
-
     def check_budget(self, new_events: Sequence[PrivacyEvent]) -> None:
         """Raise ``BudgetExceededError`` if ``new_events`` would overspend the budget."""
         if self.budget_epsilon is None:

@@ -20,6 +20,7 @@ from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.models import MLP
 from gep_fed.data.task import TaskSettings, stack_examples
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.modes import MODE_NAMES, mode_named
 from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
@@ -76,7 +77,9 @@ class AuditResult:
         )
 
 
-AUDIT_MODES = ("single", "central", "client", "distributed")
+# "single": one GEPStep without a federation; the others: a federation in that mode.
+SINGLE = "single"
+AUDIT_MODES = (SINGLE, *MODE_NAMES)
 # Distributed audits: the audited site and two more, each adding a third of the noise.
 DISTRIBUTED_SITES = 3
 
@@ -127,7 +130,7 @@ class AuditSetup:
                 f"audits cover mechanisms {known} in modes {AUDIT_MODES}, got "
                 f"{self.mechanism!r} in {self.mode!r}"
             )
-        if self.mechanism == "langevin" and self.mode != "single":
+        if self.mechanism == "langevin" and self.mode != SINGLE:
             raise ValueError("Langevin is audited in mode 'single' (LangevinTrainer)")
 
 
@@ -148,9 +151,10 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
     if s.mechanism == "langevin":
         return _audit_langevin(s, x, y)
     sigma = calibrate_noise_multiplier(s.epsilon, s.delta, s.sample_rate, s.steps, s.mechanism)
-    distributed = s.mode == "distributed"
+    noise_mode = mode_named("client" if s.mode == SINGLE else s.mode)
+    distributed = noise_mode.secure_sum
     fed = FederationConfig(
-        mode="client" if s.mode == "single" else s.mode,
+        mode=noise_mode.name,
         mechanism=s.mechanism,
         noise_multiplier=sigma,
         sample_rate=s.sample_rate,
@@ -158,7 +162,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         # audit checks whatever the ledger claims), so its budgets leave room for that claim
         target_epsilon=s.epsilon * (10 if distributed else 1),
         delta=s.delta,
-        rounds=s.steps if s.mode in ("central", "distributed") else 1,
+        rounds=s.steps if noise_mode.server_steps else 1,
         local_steps=s.steps,
         num_basis=s.num_basis,
         num_public=s.num_basis,
@@ -182,7 +186,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         s.canaries, size, contract.build_mechanism(), s.canary_kinds, generator=seeded
     )
     sampling = torch.Generator().manual_seed(s.seed + 2)
-    if s.mode == "single":
+    if s.mode == SINGLE:
         step = GEPStep(
             model,
             stack_examples(task.public_dataset())[0],
@@ -224,13 +228,13 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
             for site in sites:
                 site.load_state(server.model.state_dict())
                 releases.append(site.run_round(plan.config, server.subspace))
-            if s.mode == "central":
-                server.apply_central(round_, [releases[0].sums])
-            elif distributed:  # what the secure sum reveals: the sum modulo 2**bits
+            if distributed:  # what the secure sum reveals: the sum modulo 2**bits
                 modulus = 1 << contract.quantization_bits
                 server.apply_distributed(round_, sum(r.share for r in releases) % modulus)
-        ledger = sites[0].ledger if s.mode == "client" else server.ledger
-        placement = {"central": "trusted-server", "client": "local"}.get(s.mode, s.mode)
+            elif noise_mode.server_steps:
+                server.apply_central(round_, [releases[0].sums])
+        ledger = server.ledger if noise_mode.server_steps else sites[0].ledger
+        placement = noise_mode.site_placement
     found = canaries.guesses(s.delta, s.confidence)
     return AuditResult(
         mechanism=s.mechanism,

@@ -24,12 +24,12 @@ import torch
 from gep_fed.data.metrics import predict
 from gep_fed.data.task import stack_examples
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.modes import MODE_NAMES, mode_named
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.training import OptimizerConfig, train_private
 
 MECHANISMS = ("gp", "bgep", "gep")
-MODES = ("central", "client", "distributed")
 
 
 EQUAL = ("steps", "rounds")
@@ -40,7 +40,7 @@ def matrix(
     epsilons: list[float],
     equal: str = "steps",
     mechanisms: tuple[str, ...] = MECHANISMS,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = MODE_NAMES,
 ) -> list[tuple[str, FederationConfig]]:
     """(label, config) for every federated run of the comparison.
 
@@ -52,7 +52,8 @@ def matrix(
         raise ValueError(f"equal must be one of {EQUAL}, got {equal!r}")
 
     def of_mode(fed: FederationConfig, mode: str) -> FederationConfig:
-        one_step = mode != "client" and equal == "steps"
+        # a mode of one step a round runs local_steps times the rounds (equal steps)
+        one_step = mode_named(mode).steps_per_round(base.local_steps) == 1 and equal == "steps"
         rounds = base.rounds * base.local_steps if one_step else None
         return replace(fed, mode=mode, rounds=rounds or base.rounds)
 
@@ -121,7 +122,7 @@ def run_comparison(
     name: str | None = None,
     equal: str = "steps",
     mechanisms: tuple[str, ...] = MECHANISMS,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = MODE_NAMES,
 ) -> tuple[str, list[str]]:
     """Run the matrix (``matrix``: modes at equal private steps by default); write
     ``<out>/<name>.md``, ``.json`` and ``.png``; return the table and one line per failure
@@ -151,7 +152,7 @@ def run_comparison(
                 "test_auc": last.get("test_auroc"),
                 "epsilon_spent": last.get("epsilon"),
                 "rounds": len(res.metrics),
-                "steps": len(res.metrics) * (1 if fed.mode != "client" else fed.local_steps),
+                "steps": len(res.metrics) * fed.noise_mode.steps_per_round(fed.local_steps),
                 "seconds": res.seconds,
                 "round_seconds": _mean([m.get("round_seconds") for m in res.metrics]),
                 "round_bytes_per_site": _mean(per_round) / fed.num_sites if per_round else None,
@@ -163,7 +164,7 @@ def run_comparison(
         for eps in epsilons:
             for mech in ("gp", "gep"):
                 print(f"[ref] centralised {mech} epsilon={eps}", file=sys.stderr, flush=True)
-                central = next((f for _, f in runs if f.mode != "client"), runs[-1][1])
+                central = next((f for _, f in runs if f.noise_mode.server_steps), runs[-1][1])
                 ref = centralised(base, mech, eps, central.rounds)
                 rows.append(
                     {

@@ -22,6 +22,7 @@ from gep_fed.accounting.ledger import (
     read_ledger_key,
 )
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.modes import MODE_NAMES
 from gep_fed.federation.policy import NODE_CONFIG_KEYS
 from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
 from gep_fed.validation import ConfigError
@@ -160,7 +161,7 @@ def _print_summary(fed, result, wall: float) -> None:
         )
     elif ledger.exists():
         spent = PrivacyLedger.load(ledger)
-        who = "each site" if fed.mode == "client" else "federation"
+        who = fed.noise_mode.spender
         rows.append(
             (
                 f"epsilon spent ({who})",
@@ -442,8 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--modes",
         nargs="+",
-        choices=["central", "client", "distributed"],
-        default=["central", "client", "distributed"],
+        choices=list(MODE_NAMES),
+        default=list(MODE_NAMES),
         help="the noise placements to run (default: all three)",
     )
     cmp.add_argument(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from gep_fed.accounting.events import pld_text
 from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.federation.modes import mode_named
 from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory, latest_attempts
 from gep_fed.flower.simulation import read_site_rounds, site_line
 
@@ -119,7 +120,7 @@ def render_report(run_dir: str | Path) -> Path:
         )
     elif ledger_path.exists():
         ledger = PrivacyLedger.load(ledger_path)
-        who = "each participating site (expected)" if mode == "client" else "the federation"
+        who = mode_named(mode).spender
         lines.append(
             f"- privacy spent by {who}: epsilon = {ledger.epsilon():.4f} (RDP), "
             f"{pld_text(ledger.epsilon('pld'))} at delta = {ledger.delta:g} over "

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
 from gep_fed.data.task import Task, TaskSettings
+from gep_fed.federation.modes import MODE_NAMES, Mode, mode_named
 from gep_fed.mechanisms.contract import FEDERATED_MECHANISMS, PrivacyContract
-from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS
 from gep_fed.mechanisms.step_config import ANCHOR_LABELS, GEPConfig
 from gep_fed.validation import (
     AT_LEAST_ONE,
@@ -34,7 +34,6 @@ from gep_fed.validation import (
     check_flag,
 )
 
-MODES = ("central", "client", "distributed")
 BASIS_DTYPES = ("float32", "float16")
 BASIS_TRANSPORTS = ("basis", "rebuild")
 LEARNING_RATE = POSITIVE
@@ -216,7 +215,7 @@ class FederationConfig:
         task_class(self.task)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model must be a name, got {self.model!r}")
-        check_choice("mode", self.mode, MODES)
+        check_choice("mode", self.mode, MODE_NAMES)
         check_choice("mechanism", self.mechanism, FEDERATED_MECHANISMS)
         check_choice("partition", self.partition, PARTITIONS)
         check_choice("basis_dtype", self.basis_dtype, BASIS_DTYPES)
@@ -269,24 +268,12 @@ class FederationConfig:
         # ScatterNet + linear is linear in its parameters (a fixed transform, then GroupNorm
         # without parameters); a user task checks its own model
         linear = self.model in ("linear", "scatter-linear") or self.task not in BUILT_IN_TASKS
-        if self.mechanism == "langevin" and (self.mode != "client" or not linear):
+        if self.mechanism == "langevin" and not (self.noise_mode.runs_langevin and linear):
             raise ConfigError(
                 "mechanism langevin runs in client mode on a linear model only (its guarantee "
                 "needs a convex loss): use --mode client --model linear (or scatter-linear)"
             )
-        if self.mode == "distributed":
-            Range(0, integer=True).check("noise_shares", self.noise_shares)
-            if self.mechanism == "langevin" or self.noise_multiplier == 0:
-                raise ConfigError("distributed mode needs gep, bgep or gp with noise")
-            if self.num_sites < 2:  # a secure sum of one site is its share
-                raise ConfigError("distributed mode needs at least 2 sites")
-            Range(MIN_BITS, MAX_BITS, integer=True).check(
-                "quantization_bits", self.quantization_bits
-            )
-            if self.shares_needed > self.num_sites:
-                raise ConfigError(
-                    f"noise_shares ({self.noise_shares}) cannot exceed num_sites ({self.num_sites})"
-                )
+        self.noise_mode.check_config(self)
         if self.min_sites > self.num_sites:
             raise ConfigError(
                 f"min_sites ({self.min_sites}) cannot exceed num_sites ({self.num_sites})"
@@ -329,10 +316,14 @@ class FederationConfig:
             raise ConfigError(f"task {self.task!r}: {err}") from None
 
     @property
+    def noise_mode(self) -> Mode:
+        """The run's noise placement (``gep_fed.federation.modes``)."""
+        return mode_named(self.mode)
+
+    @property
     def steps_per_party(self) -> int:
-        """Accounted releases over the whole run: per round one (central) or
-        ``local_steps`` per site (client)."""
-        return self.rounds * (1 if self.mode != "client" else self.local_steps)
+        """Accounted releases over the whole run: the mode's steps per round, each round."""
+        return self.rounds * self.noise_mode.steps_per_round(self.local_steps)
 
     @property
     def shares_needed(self) -> int:
@@ -356,7 +347,7 @@ class FederationConfig:
             return PrivacyContract(
                 "langevin", 0.0, self.sample_rate, **clips, langevin_beta0=self.langevin_beta0
             )
-        if self.mode == "distributed":
+        if self.noise_mode.secure_sum:
             return self.distributed_contract(**clips)
         if self.noise_multiplier is not None:
             return PrivacyContract(self.mechanism, self.noise_multiplier, self.sample_rate, **clips)

@@ -29,7 +29,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gep_fed.accounting.ledger import default_key_path
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
-from gep_fed.federation.config import AUGMENTATION_COPIES, MODES, FederationConfig
+from gep_fed.federation.config import AUGMENTATION_COPIES, FederationConfig
+from gep_fed.federation.modes import MODE_NAMES, mode_named
 from gep_fed.federation.secure_sum import (
     PinnedPeers,
     create_site_key,
@@ -171,14 +172,14 @@ class SitePolicy:
                 "enforced: drop epsilon-budget (tests only) or allow-no-noise"
             )
         DELTA.check("delta", self.delta)
-        bad = [m for m in self.accepted_modes if m not in MODES]
+        bad = [m for m in self.accepted_modes if m not in MODE_NAMES]
         if bad or not self.accepted_modes:
-            raise ConfigError(f"accept-modes must name modes from {list(MODES)}, got {bad}")
+            raise ConfigError(f"accept-modes must name modes from {list(MODE_NAMES)}, got {bad}")
         if not (isinstance(self.max_colluding_sites, int) and self.max_colluding_sites >= 0):
             raise ConfigError(
                 f"max-colluding-sites must be an integer >= 0, got {self.max_colluding_sites!r}"
             )
-        if "distributed" in self.accepted_modes and not (
+        if self.accepts_secure_sum and not (
             isinstance(self.noise_shares, int) and self.noise_shares >= 1
         ):
             raise ConfigError(
@@ -196,6 +197,11 @@ class SitePolicy:
         if cost.work > self.max_rebuild_work or cost.bytes > self.max_rebuild_mib * 2**20:
             raise RoundRefused("over compute limit")
 
+    @property
+    def accepts_secure_sum(self) -> bool:
+        """Whether the site accepts a mode whose replies go through the secure sum."""
+        return any(mode_named(m).secure_sum for m in self.accepted_modes)
+
     def sites_needed(self) -> int:
         """The fewest pinned sites (this one included) a distributed round must list before
         this site masks its share: its noise shares, from sites other than the colluders."""
@@ -211,12 +217,10 @@ class SitePolicy:
         noise_free = rc.privacy.noise_multiplier == 0 and not rc.privacy.is_langevin
         if noise_free and not self.allow_no_noise:
             raise RoundRefused("over budget")  # epsilon would be infinite
-        if (rc.mode == "distributed") != rc.privacy.is_distributed:
-            raise RoundRefused("malformed round")
-        if rc.mode == "distributed" and rc.privacy.noise_shares != self.noise_shares:
-            raise RoundRefused("other noise split")
-        steps = rc.local_steps if rc.mode == "client" else 1
-        if steps > self.max_local_steps or rc.augmentation_copies > self.max_augmentation_copies:
+        refusal = rc.noise_mode.refusal(rc, self)
+        if refusal is not None:
+            raise RoundRefused(refusal)
+        if rc.augmentation_copies > self.max_augmentation_copies:
             raise RoundRefused("over compute limit")
 
 
@@ -354,7 +358,7 @@ class SiteConfig:
         site_key, peers = get.text("site-key"), get.text("peers")
         if simulated:
             site_key = site_key or str(Path(ledger).parent / SIMULATED_SITE_KEY)
-        elif "distributed" in modes and not (site_key and peers):
+        elif policy.accepts_secure_sum and not (site_key and peers):
             raise ConfigError(
                 "accept-modes lists distributed: the node config needs 'site-key' (this "
                 "site's signing key, from gep-fed site keygen) and 'peers' (the file of the "

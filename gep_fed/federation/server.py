@@ -135,7 +135,7 @@ class FederationServer:
         self.validation_data = task.validation_dataset()
         self.best: tuple[int, float] | None = None  # (round, validation score) kept so far
         self.noise = NoiseSource(cfg.noise_seed)
-        owner = "each-site (expected)" if cfg.mode == "client" else "federation"
+        owner = cfg.noise_mode.ledger_owner()
         # sigma = 0 switches the noise off: no guarantee, so no budget to enforce.
         budget = cfg.target_epsilon if self.contract.noise_multiplier > 0 else None
         self.ledger = PrivacyLedger.open(run.ledger_path, cfg.delta, budget, owner, create=True)
@@ -154,13 +154,10 @@ class FederationServer:
         """The releases one round makes (per site in client mode)."""
         if self.langevin:  # step-dependent and site-size-dependent: the sites' ledgers count
             return []
-        if self.cfg.mode == "central":
-            return self.contract.events(1, party="federation", round=round_)
-        if self.cfg.mode == "distributed":
-            return self.contract.events(
-                1, party="federation", round=round_, dimension=self.quantized_dimension
-            )
-        return self.contract.events(self.cfg.local_steps, party="each-site", round=round_)
+        dimension = self.quantized_dimension if self.cfg.noise_mode.secure_sum else 0
+        return self.cfg.noise_mode.server_events(
+            self.contract, round_, self.cfg.local_steps, dimension
+        )
 
     @property
     def num_basis(self) -> int | None:

@@ -19,7 +19,7 @@ chunks of ``max_chunk`` examples, clipping and summing chunk by chunk.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -199,11 +199,7 @@ class Site:
             self.ledger.check_budget(self.round_events(rc, subspace))
         except BudgetExceededError:
             raise RoundRefused("over budget") from None
-        if rc.mode == "central":
-            return SiteRelease(sums=self.central_sums(subspace, rc))
-        if rc.mode == "distributed":
-            return SiteRelease(share=self.distributed_share(subspace, rc))
-        return SiteRelease(delta=self.local_update(subspace, rc))
+        return rc.noise_mode.release(self, rc, subspace)
 
     def admit(self, rc: RoundConfig, last_round: int | None) -> None:
         """The site's policy, then the round's layout against the site's own model."""
@@ -223,27 +219,15 @@ class Site:
     def round_events(
         self, rc: RoundConfig, subspace: AnchorSubspace | None = None
     ) -> list[PrivacyEvent]:
-        """What the round releases, as this site's ledger records it (a distributed round's
-        dimension: this site's own model and the round's basis)."""
-        if rc.mode == "central":
-            return rc.privacy.events(
-                1, party=self.site_id, round=rc.round, placement="trusted-server"
-            )
-        if rc.mode == "distributed":  # with the colluders this site assumes
-            k = subspace.num_basis if subspace is not None else None
-            events = rc.privacy.events(
-                1,
-                party=self.site_id,
-                round=rc.round,
-                dimension=rc.privacy.quantized_dimension(k, self.layout.size),
-            )
-            colluders = self.policy.max_colluding_sites
-            return [replace(e, max_colluding_sites=colluders) for e in events]
-        if rc.privacy.is_langevin:
-            return self._langevin_trainer(rc).multi_pass_events(
-                len(self._langevin_examples[1]), _first_langevin_step(rc), rc.local_steps
-            )
-        return rc.privacy.events(rc.local_steps, party=self.site_id, round=rc.round)
+        """What the round releases, as this site's ledger records it (the round's mode
+        says)."""
+        return rc.noise_mode.site_events(self, rc, subspace)
+
+    def langevin_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
+        """A Langevin round's events: step-dependent and dependent on this site's size."""
+        return self._langevin_trainer(rc).multi_pass_events(
+            len(self._langevin_examples[1]), _first_langevin_step(rc), rc.local_steps
+        )
 
     def _sample(self, rate: float) -> torch.Tensor:
         return PoissonSampler(self.num_examples, rate, 1, self.sampler_generator).sample()
@@ -260,7 +244,7 @@ class Site:
         shares may be revealed. Recorded in the site's ledger before it is computed."""
         self.ledger.record(*self.round_events(rc, subspace))
         sums = self._clipped_sums(subspace, rc)
-        return rc.privacy.distributed_noise.encode(sums, rc.privacy.build_mechanism(), rc.round)
+        return rc.privacy.distributed_noise.encode(sums, rc.mechanism, rc.round)
 
     def _clipped_sums(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> ClippedSums:
         sub = subspace.to(self.device) if subspace is not None else None
@@ -270,7 +254,7 @@ class Site:
             self.loss_fn,
             self.batches(self._sample(rc.privacy.sample_rate)),
             self.layout,
-            rc.privacy.build_mechanism(),
+            rc.mechanism,
             sub,
             self.max_chunk,
             extra,
@@ -283,7 +267,6 @@ class Site:
         site's ledger before it is computed."""
         if rc.privacy.is_langevin:
             return self._langevin_update(rc)
-        self.ledger.check_budget(self.round_events(rc))
         layout = self.layout
         before = layout.flatten_params(self.model).clone()
         step = GEPStep(

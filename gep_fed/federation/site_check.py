@@ -135,7 +135,7 @@ def check_site(
             ledger = "none yet: new-ledger will create it, its key and its mark on first start"
         else:
             errors.append(str(err))
-    if "distributed" in cfg.policy.accepted_modes:  # its secure-sum key and pinned peers
+    if cfg.policy.accepts_secure_sum:  # its secure-sum key and pinned peers
         try:
             cfg.site_key()
             cfg.pinned_peers()

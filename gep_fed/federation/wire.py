@@ -14,16 +14,18 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from gep_fed.federation.config import AUGMENTATION_COPIES, BASIS_DTYPES, LEARNING_RATE, MODES
+from gep_fed.federation.config import AUGMENTATION_COPIES, BASIS_DTYPES, LEARNING_RATE
+from gep_fed.federation.modes import MODE_NAMES, Mode, mode_named
 from gep_fed.mechanisms.anchors import AnchorSet
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
-from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import AT_LEAST_ONE, MOMENTUM, ConfigError
 
@@ -172,6 +174,17 @@ class RoundConfig:
     layout: str
     protocol: int = PROTOCOL_VERSION
 
+    @property
+    def noise_mode(self) -> Mode:
+        """The round's noise placement (validated when decoded)."""
+        return mode_named(self.mode)
+
+    @cached_property
+    def mechanism(self) -> Mechanism:
+        """The round's mechanism, built once from its contract (what the site clips and
+        noises with)."""
+        return self.privacy.build_mechanism()
+
     def to_record(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "privacy"}
         return {**out, **self.privacy.to_record()}
@@ -202,7 +215,7 @@ class RoundConfig:
         # the same declared ranges as the run's configuration (FederationConfig)
         checks = {
             "round": AT_LEAST_ONE.contains(cfg.round),
-            "mode": cfg.mode in MODES,
+            "mode": cfg.mode in MODE_NAMES,
             "local_steps": AT_LEAST_ONE.contains(cfg.local_steps),
             "local_lr": LEARNING_RATE.contains(cfg.local_lr),
             "local_momentum": MOMENTUM.contains(cfg.local_momentum),

@@ -220,7 +220,7 @@ def _train(
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     # Policy and layout first: a refused round changes nothing the site holds.
     site.admit(rc, last_round)
-    if rc.mode == "distributed":  # a share leaves only masked, after the keys are checked
+    if rc.noise_mode.secure_sum:  # a share leaves only masked, after the keys are checked
         agreement = _checked_keys(msg, context, rc, site)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
@@ -260,7 +260,7 @@ def _advertise(msg: Message, context: Context, fed: FederationConfig | None, sim
     if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 1:
         raise wire.RoundRefused("malformed round")
     site = _site(context, fed, simulation)
-    if "distributed" not in site.policy.accepted_modes:
+    if not site.policy.accepts_secure_sum:
         raise wire.RoundRefused("mode not allowed")
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     if last_round is not None and round_ <= last_round:

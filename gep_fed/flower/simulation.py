@@ -153,7 +153,7 @@ def simulated_site_settings(
         "max-augmentation-copies": max(fed.augmentation_copies, DEFAULT_MAX_AUGMENTATION_COPIES),
         "ledger-dir": str(Path(fed.run_directory("")) / "sites"),
     }
-    if fed.mode == "distributed":  # the split the simulated sites accept is the run's
+    if fed.noise_mode.secure_sum:  # the split the simulated sites accept is the run's
         settings["noise-shares"] = fed.shares_needed
     if fed.noise_seed is not None:  # distinct from the server's seed; site i adds i
         settings["noise-seed"] = fed.noise_seed + 1
@@ -189,7 +189,7 @@ def simulate(
     bad = {site: found for site, found in problems.items() if found}
     if bad and not drop_bad_examples:
         raise SiteCheckFailed(_site_check_text(bad))
-    if site_data and fed.mode != "client" and fed.total_examples is None:
+    if site_data and fed.noise_mode.server_steps and fed.total_examples is None:
         task = fed.make_task()
         total = sum(len(task.site_dataset(path)) for path in site_data.values())
         fed = replace(fed, total_examples=total)

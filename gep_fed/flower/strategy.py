@@ -206,7 +206,7 @@ class GEPStrategy(Strategy):
         try:
             task = fed.make_task()
             total = fed.total_examples
-            if total is None and fed.mode != "client":  # a simulation: the pooled data
+            if total is None and fed.noise_mode.server_steps:  # a simulation: the pooled data
                 total = len(task.train_dataset())
                 log.info("total-examples not declared: the simulation's pooled size N=%d", total)
             server = FederationServer(fed, task, run, total)
@@ -379,7 +379,7 @@ class GEPStrategy(Strategy):
             content.config_records[wire.REPLY_META], sender, server_round, self.cfg.mode
         )
         metrics = dict(content.metric_records.get(wire.REPLY_METRICS, {}))
-        if self.cfg.mode == "central":
+        if self.cfg.noise_mode.server_steps:
             if wire.CLIPPED_SUMS not in content.array_records:
                 raise wire.WireError(sender, wire.CLIPPED_SUMS, "missing")
             mech = self.server.mechanism
@@ -436,7 +436,7 @@ class GEPStrategy(Strategy):
             )
             return None, None
         train_metrics = {"sites-ok": len(accepted), "sites-rejected": len(rejected)}
-        if self.cfg.mode == "central":
+        if self.cfg.noise_mode.server_steps:
             self.server.apply_central(server_round, accepted)
         else:
             self.server.apply_client(server_round, accepted)
@@ -621,7 +621,7 @@ class GEPStrategy(Strategy):
                 break
             began, counted = time.perf_counter(), (grid.sent, grid.received)
             messages = self.configure_train(rnd, arrays, ConfigRecord(), grid)
-            if self.cfg.mode == "distributed":
+            if self.cfg.noise_mode.secure_sum:
                 new_arrays, train_metrics = self.secure_train(rnd, messages, grid, timeout)
             else:
                 replies = grid.send_and_receive(messages=messages, timeout=timeout)

@@ -185,9 +185,6 @@ class PrivacyContract:
             )
         return [event] * steps
 
-    def with_noise(self, noise_multiplier: float) -> PrivacyContract:
-        return replace(self, noise_multiplier=noise_multiplier)
-
     def to_record(self, prefix: str = "privacy.") -> dict:
         """Flat ``{prefix + field: value}`` (a Flower ConfigRecord holds scalars only)."""
         return {prefix + k: v for k, v in asdict(self).items()}

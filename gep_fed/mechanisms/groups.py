@@ -133,17 +133,6 @@ class ParameterLayout:
             raise ValueError(f"malformed parameter layout: {err!r}") from err
         return cls(names, shapes, tuple(groups))
 
-    def check_matches(self, model: nn.Module) -> None:
-        """Raise if ``model``'s trainable parameters differ from this layout."""
-        params = dict(model.named_parameters())
-        for name, shape in zip(self.names, self.shapes, strict=True):
-            if name not in params:
-                raise ValueError(f"layout parameter {name!r} is not in the model")
-            if tuple(params[name].shape) != shape:
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(params[name].shape)}, layout says {shape}"
-                )
-
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Concatenate ``{name: tensor}`` into one vector in layout order."""
         return torch.cat([tensors[name].reshape(-1) for name in self.names])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from gep_fed.mechanisms.contract import (
     DEFAULT_BASIS_REFRESH,
@@ -151,16 +151,3 @@ class GEPConfig:
     def count_noise(self) -> float | None:
         """Std of the noise on the count of examples within S2 (adaptive S2), else None."""
         return self.quantile_count_noise if self.residual_quantile is not None else None
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, object]) -> GEPConfig:
-        """Build from a flat mapping (e.g. a JSON file): ``contract`` a mapping of the
-        contract's fields, the rest GEPConfig's own; unknown keys are named."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown GEPConfig field(s) {unknown}; known: {sorted(known)}")
-        settings = dict(values)
-        if isinstance(settings.get("contract"), Mapping):
-            settings["contract"] = PrivacyContract(**settings["contract"])
-        return cls(**settings)
