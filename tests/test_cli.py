@@ -212,3 +212,87 @@ def test_the_command_lines_help_imports_neither_dp_accounting_nor_opacus():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_simulation_within_seconds_in_one_line_and_the_same_command_resumes(
+    tmp_path,
+):
+    """Ctrl-C as a terminal sends it (SIGINT to the process group) once round 1 is recorded:
+    the run stops within seconds, exit status 130, one line and no traceback; the same
+    command then resumes after the committed round, says so on stdout, and finishes with
+    ledgers and checkpoint that hold every round once (each site's ledger what it answered)."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from gep_fed.accounting.ledger import PrivacyLedger
+    from gep_fed.federation.rundir import RunDirectory, latest_attempts
+
+    args = [str(GEP_FED), "simulate", "--rounds", "3", "--local-steps", "1", "--num-sites", "2"]
+    args += ["--run-dir", str(tmp_path), "--run-name", "r"]
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    assert waited < 20, f"took {waited:.1f} s to stop"
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    (line,) = [x for x in err.splitlines() if x.startswith("interrupted")]
+    stopped_after = int(line.split("after round ")[1].split(":")[0])
+    assert line == f"interrupted after round {stopped_after}: rerun the same command to resume"
+    run = RunDirectory(tmp_path / "r")
+    assert torch.load(run.file("checkpoint.pt"), weights_only=True)["round"] == stopped_after
+
+    again = gep_fed(*args[1:])
+    assert f"resuming run {run.path} after round {stopped_after} of 3" in again.stdout
+    assert [r["round"] for r in latest_attempts(run.read_metrics())] == [1, 2, 3]
+    assert torch.load(run.file("checkpoint.pt"), weights_only=True)["round"] == 3
+    assert PrivacyLedger.load(run.ledger_path).steps == 3  # the server's: one step per round
+    for site in ("site-0", "site-1"):
+        answered = (run.path / "sites" / site / "rounds.jsonl").read_text().splitlines()
+        ledger = PrivacyLedger.load_keyed(run.path / "sites" / site / "ledger.json")
+        assert ledger.steps == len(answered) >= 3
+
+
+def test_the_help_shows_the_tasks_recommendation_as_the_default_where_a_task_sets_one(capsys):
+    from gep_fed.cli.main import main
+    from gep_fed.data.task import SMALL_DATA_RECIPE
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    rounds = text.rsplit("--rounds ROUNDS", 1)[1].split("--local-steps")[0]
+    assert "default: the task's recommendation (" in rounds
+    assert f"a task of your own {SMALL_DATA_RECIPE['rounds']}" in rounds
+    assert rounds.rstrip().endswith("else 10)")  # digits, the default task, sets none
+    seed = text.rsplit("--seed SEED", 1)[1].split("--noise-seed")[0]
+    assert "recommendation" not in seed and "(default: 0)" in seed  # no task sets it
+
+
+def test_show_settings_prints_a_tasks_resolved_settings_and_runs_nothing(capsys, tmp_path):
+    from gep_fed.cli.main import main
+    from gep_fed.data.task import SMALL_DATA_RECIPE
+
+    args = ["simulate", "--task", "pneumonia", "--rounds", "7", "--run-dir", str(tmp_path)]
+    assert main([*args, "--show-settings"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "settings of a run of task pneumonia (nothing is run):"
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert rows["rounds"] == ["7", "(option)"]
+    assert rows["num-basis"] == [str(SMALL_DATA_RECIPE["num_basis"]), "(task", "pneumonia)"]
+    assert rows["seed"] == ["0", "(default)"]
+    assert list(tmp_path.iterdir()) == []

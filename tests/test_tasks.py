@@ -41,6 +41,32 @@ def test_built_in_names_and_import_paths_resolve():
     assert resolve_task("example_task:TwoFindingsTask").kind == "multilabel"
 
 
+def test_a_task_file_path_resolves_from_any_folder_and_a_missing_one_is_named(
+    tmp_path, monkeypatch
+):
+    from gep_fed.data.registry import task_file_name
+
+    monkeypatch.chdir(TESTS.parent)
+    name = task_file_name("tests/example_task.py:TwoFindingsTask")
+    assert name == f"{TESTS / 'example_task.py'}:TwoFindingsTask"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_task(name).kind == "multilabel"
+    assert FederationConfig(task=name).make_task().kind == "multilabel"
+    with pytest.raises(ConfigError, match=f"no file {tmp_path / 'task.py'}"):
+        FederationConfig(task="task.py:Task")
+
+
+def test_scatter_dataset_takes_an_array_of_images_or_a_function_returning_one():
+    from gep_fed.data.builtin_tasks import scatter_dataset
+
+    images = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)
+    labels = np.array([0, 1, 0])
+    from_array = scatter_dataset(images, labels, cache=False)
+    from_function = scatter_dataset(lambda: images, labels, cache=False)
+    assert len(from_array) == 3
+    assert torch.equal(from_array[2][0], from_function[2][0])
+
+
 def small_run(tmp_path, monkeypatch, task: str, **settings) -> dict:
     """A short client-mode simulation's settings for ``task`` of tests/example_task.py."""
     # Ray's workers import the task by its path, as a deployed site does

@@ -35,12 +35,38 @@ def _field_type(f) -> type:
     return hint
 
 
+def task_recommendations() -> dict[str, dict[str, object]]:
+    """For each ``FederationConfig`` field some task recommends: which tasks set it, and to
+    what (the built-in tasks by name; "a task of your own" for ``SMALL_DATA_RECIPE``, which a
+    user's task gets unless it declares its own)."""
+    from gep_fed.data.registry import BUILT_IN_TASKS
+    from gep_fed.data.task import SMALL_DATA_RECIPE
+
+    out: dict[str, dict[str, object]] = {}
+    for name, cls in BUILT_IN_TASKS.items():
+        for key, value in cls.recommended_settings.items():
+            out.setdefault(key, {})[name] = value
+    for key, value in SMALL_DATA_RECIPE.items():
+        out.setdefault(key, {})["a task of your own"] = value
+    return out
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def add_federation_options(parser: argparse.ArgumentParser) -> None:
-    """One ``--kebab-case`` option per ``FederationConfig`` field, with its help text."""
+    """One ``--kebab-case`` option per ``FederationConfig`` field, with its help text and its
+    default: the field's own, or the task's recommendation where a task sets one."""
+    recommended = task_recommendations()
     for f in fields(FederationConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        default = f"default: {_shown(f.default)}"
+        if f.name in recommended:
+            by = "; ".join(f"{t} {_shown(v)}" for t, v in recommended[f.name].items())
+            default = f"default: the task's recommendation ({by}), else {_shown(f.default)}"
+        help_text = f"{f.metadata.get('help', '')} ({default})".replace("%", "%%")
         if kind is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -51,8 +77,7 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, default=None, help=help_text)
 
 
-def federation_config(args: argparse.Namespace) -> FederationConfig:
-    """The options given, over the task's recommended settings, over the defaults."""
+def _given(args: argparse.Namespace) -> dict:
     values = {}
     for f in fields(FederationConfig):
         value = getattr(args, f.name, None)
@@ -60,20 +85,51 @@ def federation_config(args: argparse.Namespace) -> FederationConfig:
             continue
         if f.name == "noise_multiplier":
             value = None if value == "auto" else _float(value, "--noise-multiplier")
+        if f.name == "task":
+            from gep_fed.data.registry import task_file_name
+
+            value = task_file_name(value)
         values[f.name] = value
+    return values
+
+
+def federation_config(args: argparse.Namespace, announce: bool = True) -> FederationConfig:
+    """The options given, over the task's recommended settings, over the defaults."""
+    values = _given(args)
     fed = FederationConfig.for_task(**values)
     from gep_fed.data.registry import resolve_task
 
     applied = {
         k: v for k, v in resolve_task(fed.task).recommended_settings.items() if k not in values
     }
-    if applied:
-        shown = ", ".join(
-            f"{k.replace('_', '-')}={v:g}" if isinstance(v, float) else f"{k.replace('_', '-')}={v}"
-            for k, v in applied.items()
-        )
+    if applied and announce:
+        shown = ", ".join(f"{k.replace('_', '-')}={_shown(v)}" for k, v in applied.items())
         print(f"task {fed.task} recommends (override with the options): {shown}", file=sys.stderr)
     return fed
+
+
+def settings_lines(args: argparse.Namespace) -> list[str]:
+    """Every setting a run with these options would use, and where each comes from."""
+    from gep_fed.data.registry import resolve_task
+
+    given = _given(args)
+    fed = federation_config(args, announce=False)
+    recommended = resolve_task(fed.task).recommended_settings
+    rows = []
+    for f in fields(FederationConfig):
+        if f.name in given:
+            source = "option"
+        elif f.name in recommended:
+            source = f"task {fed.task}"
+        else:
+            source = "default"
+        value = getattr(fed, f.name)
+        rows.append((f.name.replace("_", "-"), "auto" if value is None else _shown(value), source))
+    width = max(len(name) for name, _, _ in rows)
+    value_width = max(len(value) for _, value, _ in rows)
+    lines = [f"settings of a run of task {fed.task} (nothing is run):"]
+    lines += [f"  {n:<{width}}  {v:<{value_width}}  ({s})" for n, v, s in rows]
+    return lines
 
 
 def _float(text: str, flag: str) -> float:
@@ -90,8 +146,12 @@ def _quiet_logs() -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from gep_fed.cli.report import render_report
+    from gep_fed.cli.summary import summary_lines
     from gep_fed.flower.simulation import simulate
 
+    if args.show_settings:
+        print("\n".join(settings_lines(args)))
+        return 0
     fed = federation_config(args)
     _quiet_logs()
     began = time.perf_counter()
@@ -103,7 +163,10 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     wall = time.perf_counter() - began
     report = render_report(result.run_dir)
-    _print_summary(fed, result, wall)
+    lines = summary_lines(
+        fed, result.metrics, result.stop_reason, result.site_rounds, result.run_dir, wall
+    )
+    print("\n".join(["", *lines]))
     print(f"run directory: {result.run_dir}\nreport:        {report}")
     failures = result.failures()
     for line in failures:
@@ -127,54 +190,6 @@ def _site_data(pairs: list[str] | None) -> dict[str, str] | None:
             raise ConfigError(f"--site-data names site {name!r} twice")
         out[name] = path
     return out
-
-
-def _print_summary(fed, result, wall: float) -> None:
-    from gep_fed.cli.report import best_model_line, replies_line
-    from gep_fed.federation.rundir import latest_attempts
-    from gep_fed.flower.simulation import site_line
-
-    rows_run = result.metrics
-    last = rows_run[-1] if rows_run else {}
-    print()
-    if result.stop_reason:
-        print(f"stopped early: {result.stop_reason}")
-    rows = [
-        (
-            "test accuracy",
-            f"{last.get('test_accuracy', float('nan')):.4f} (balanced "
-            f"{last.get('test_balanced_accuracy', float('nan')):.4f}, AUROC "
-            f"{last.get('test_auroc', float('nan')):.4f}; majority class "
-            f"{last.get('test_majority_rate', float('nan')):.4f})",
-        ),
-        ("rounds", f"{len(latest_attempts(rows_run))} of {fed.rounds}: {replies_line(rows_run)}"),
-        ("mode / mechanism", f"{fed.mode} / {fed.mechanism}"),
-    ]
-    best = best_model_line(rows_run)
-    if best is not None:
-        rows.insert(1, ("best on validation", best))
-    ledger = result.run_dir / "ledger.json"
-    budget = f"at delta={fed.delta:g}, budget {fed.target_epsilon:g}"
-    if fed.mechanism == "langevin":  # only the sites' ledgers know it (it depends on n_i)
-        rows.append(
-            ("epsilon spent (largest site)", f"{last.get('epsilon', float('nan')):.4f} {budget}")
-        )
-    elif ledger.exists():
-        spent = PrivacyLedger.load(ledger)
-        who = fed.noise_mode.spender
-        rows.append(
-            (
-                f"epsilon spent ({who})",
-                f"{spent.epsilon():.3f} (RDP), {pld_text(spent.epsilon('pld'), 3)} {budget}",
-            )
-        )
-    rows.append(("wall time", f"{wall:.1f} s"))
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    for site, site_rows in sorted(result.site_rounds.items()):
-        if any(r["outcome"] != "accepted" for r in site_rows):
-            print(f"  {site}: {site_line(site_rows)}")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -407,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run even when a site's data has examples that cannot be read or do not suit "
         "the task (checked before round 1): they are dropped from every sample",
     )
+    sim.add_argument(
+        "--show-settings",
+        action="store_true",
+        help="print every setting the run would use (the options, the task's recommendation, "
+        "the defaults), each with where it comes from, and exit without running",
+    )
     sim.set_defaults(func=_simulate)
 
     cmp = sub.add_parser(
@@ -606,9 +627,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gep_fed.flower.interrupt import RunInterrupted
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except RunInterrupted as stopped:
+        print(f"\n{stopped.line()}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before the run's first round began
+        print(f"\ngep-fed {args.command}: interrupted before round 1", file=sys.stderr)
+        return 130
     except (ConfigError, ImpossibleTargetError, ValueError, FileNotFoundError) as err:
         # LedgerError is a ValueError: a damaged or missing ledger is named, never replaced.
         print(f"gep-fed {args.command}: error: {err}", file=sys.stderr)

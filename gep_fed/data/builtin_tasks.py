@@ -79,14 +79,20 @@ GENERIC_MEAN, GENERIC_STD = 0.5, 0.5
 
 
 def scatter_dataset(
-    read_images: Callable[[], np.ndarray], labels: np.ndarray, cache: bool
+    read_images: Callable[[], np.ndarray] | np.ndarray, labels: np.ndarray, cache: bool
 ) -> FeatureDataset:
-    """The ScatterNet features of ``read_images()``.
+    """The ScatterNet features of ``read_images()``, or of ``read_images`` itself when it is
+    an array of images (``uint8``, ``(N, H, W)`` or ``(N, H, W, C)``).
 
     ``cache=True`` (the task's own, built-in or public data sets): stored on disk and computed
     on the first example read, so a server that only counts the pooled data never loads them.
     ``cache=False`` (a deployed site's private file): computed now, in memory, never stored,
     and once: ``DataLoader`` workers share the result instead of each computing it."""
+    if not callable(read_images):
+        images = np.asarray(read_images)
+
+        def read_images() -> np.ndarray:
+            return images
 
     def features():
         from gep_fed.data.scatternet import scatter_cache_dir, scatter_features

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
+import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import rounds_not_applied
+from gep_fed.federation.rundir import CHECKPOINT, RunDirectory, rounds_not_applied
+from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
 from gep_fed.flower.strategy import GEPStrategy
 
 log = logging.getLogger("gep_fed.server")
+
+# How the run ended, beside its metrics: read by ``gep-fed report`` (a run refused before
+# round 1 has no metrics, only this).
+OUTCOME = "outcome.json"
 
 
 class RunFailedError(RuntimeError):
@@ -19,31 +27,147 @@ class RunFailedError(RuntimeError):
     it did record (metrics, ledger, checkpoint) stays, and the run resumes from it."""
 
 
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a ServerApp's run ended: its strategy (server, run directory, stop reason), the
+    rounds committed before it started (a resumed run), and ``interrupted`` when a stop
+    request ended it between rounds."""
+
+    strategy: GEPStrategy
+    resumed_after: int
+    interrupted: RunInterrupted | None = None
+
+
+def completed_rounds(run: RunDirectory) -> int:
+    """The last round the run directory's checkpoint holds (0: none), read without loading
+    its tensors."""
+    path = run.file(CHECKPOINT)
+    if not path.exists():
+        return 0
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["round"])
+    except Exception:  # the strategy's own resume names an unreadable checkpoint
+        return 0
+
+
+def resume_line(run: RunDirectory, done: int, rounds: int) -> str | None:
+    """What a rerun of an existing run directory does, in one line (None: a new run)."""
+    if done == 0:
+        return None
+    if done >= rounds:
+        return (
+            f"run {run.path} already finished its {rounds} round(s): nothing is trained; "
+            "its result follows (use another run name for a new run)"
+        )
+    return f"resuming run {run.path} after round {done} of {rounds}"
+
+
 def make_server_app(
-    fed: FederationConfig | None = None, progress: bool = True, on_round=None, on_done=None
+    fed: FederationConfig | None = None,
+    progress: bool = True,
+    on_round=None,
+    on_done=None,
+    stop: StopRequest | None = None,
 ) -> ServerApp:
     """A ServerApp for ``fed``, or (None) for the run config of the run it serves.
-    ``on_done`` receives the finished strategy (its server, stop reason) and reports how the
-    run ended; without it, a run that stopped early or left rounds without an update logs one
-    ``FAILED:`` line per problem and raises ``RunFailedError``, so that Flower records the run
-    as failed (``flwr ls``), as ``gep-fed simulate`` exits non-zero for the same run."""
+
+    ``on_done`` receives the ``RunOutcome`` (the finished or interrupted strategy) and
+    reports how the run ended. Without it (``flwr run``), the ServerApp prints the summary
+    ``gep-fed simulate`` prints and writes ``report.md`` with its plots; then a run that
+    stopped early, was interrupted or left rounds without an update logs one ``FAILED:``
+    line per problem and raises ``RunFailedError``, so that Flower records the run as failed
+    (``flwr ls``), as ``gep-fed simulate`` exits non-zero for the same run.
+
+    ``stop``: a stop request (the first Ctrl-C of ``gep-fed simulate``) that ends the run
+    between rounds (``gep_fed.flower.interrupt``). Without one, Flower's exit handlers
+    (``flwr stop``, SIGTERM to the run's process) request the stop."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
+        began = time.perf_counter()
         config = fed if fed is not None else FederationConfig.from_record(context.run_config)
+        request = stop if stop is not None else _stop_on_flower_exit()
+        run = RunDirectory(config.run_directory(context.run_id))
+        done = completed_rounds(run)
         strategy = GEPStrategy.from_config(
-            config, context.run_id, progress=progress, on_round=on_round
+            config, context.run_id, progress=progress, on_round=_stopping(on_round, request)
         )
-        strategy.start(grid)
+        line = resume_line(run, done, config.rounds)
+        if line:
+            print(line, flush=True)
+        interrupted = None
+        try:
+            strategy.start(StoppableGrid(grid, request))
+        except RunInterrupted:
+            resume = "rerun the same command"
+            if not config.run_name:
+                resume += f" with run-name {run.path.name!r}"
+            interrupted = RunInterrupted(strategy.server.completed_rounds, resume)
+        outcome = RunOutcome(strategy, done, interrupted)
+        _record_outcome(strategy, interrupted)
         if on_done is not None:
-            on_done(strategy)
+            on_done(outcome)
             return
+        _print_result(config, strategy, time.perf_counter() - began)
         not_applied = rounds_not_applied(strategy.server.run.read_metrics())
         problems = [p for p in (strategy.stop_reason, not_applied) if p]
+        if interrupted is not None:
+            problems.insert(0, interrupted.line())
         for line in problems:
             log.error("FAILED: %s", line)
         if problems:
             raise RunFailedError("; ".join(problems))
 
     return server_app
+
+
+def _stopping(on_round, request: StopRequest):
+    """``on_round``, then stop the run if a stop was requested during the round."""
+
+    def call(record: dict) -> None:
+        if on_round is not None:
+            on_round(record)
+        if request.is_set():
+            raise RunInterrupted(record["round"])
+
+    return call
+
+
+def _stop_on_flower_exit() -> StopRequest:
+    """A stop request set by Flower's exit handlers (``flwr stop``, SIGINT or SIGTERM to
+    the process running the ServerApp), where Flower offers them."""
+    request = StopRequest()
+    try:
+        from flwr.supercore.exit import add_exit_handler
+    except ImportError:  # another Flower: the run then stops as Flower stops it
+        return request
+    add_exit_handler(request.request)
+    return request
+
+
+def _record_outcome(strategy: GEPStrategy, interrupted: RunInterrupted | None) -> None:
+    run = strategy.server.run
+    run.write_json(
+        OUTCOME,
+        {
+            "stop_reason": strategy.stop_reason,
+            "interrupted": interrupted.line() if interrupted else None,
+            "completed_rounds": strategy.server.completed_rounds,
+        },
+    )
+
+
+def _print_result(config: FederationConfig, strategy: GEPStrategy, wall: float) -> None:
+    """``flwr run``'s end: the summary ``gep-fed simulate`` prints, ``report.md``."""
+    from gep_fed.cli.report import render_report
+    from gep_fed.cli.summary import summary_lines
+    from gep_fed.flower.simulation import read_site_rounds
+
+    run = strategy.server.run
+    report = render_report(run.path)
+    rows = run.read_metrics()
+    lines = summary_lines(
+        config, rows, strategy.stop_reason, read_site_rounds(run.path), run.path, wall
+    )
+    print("\n".join(["", *lines, f"run directory: {run.path}", f"report:        {report}"]))

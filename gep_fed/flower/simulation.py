@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from gep_fed.federation.policy import (
 )
 from gep_fed.federation.rundir import RunDirectory, round_spans, rounds_not_applied
 from gep_fed.federation.site import pooled_shares
+from gep_fed.flower.interrupt import RunInterrupted, StopRequest
 from gep_fed.mechanisms.per_example import validate_model
 from gep_fed.validation import ConfigError
 
@@ -162,6 +167,29 @@ def simulated_site_settings(
     return settings
 
 
+@contextmanager
+def _first_interrupt_stops(stop: StopRequest, committed: list[int], resume: str):
+    """While a simulation runs, the first SIGINT (Ctrl-C) requests a stop between rounds
+    (``gep_fed.flower.interrupt``); a second one ends the process at once, exit status 130,
+    with the same one line (the ledgers and checkpoint are written atomically, so the last
+    committed round stands). Outside the main thread, SIGINT is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum, frame) -> None:
+        if stop.is_set():
+            print(f"\n{RunInterrupted(committed[0], resume).line()}", file=sys.stderr, flush=True)
+            os._exit(130)
+        stop.request()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def simulate(
     fed: FederationConfig,
     progress: bool = True,
@@ -182,6 +210,10 @@ def simulate(
     examples a run would drop stops the simulation (``SiteCheckFailed``, naming each site and
     example) unless ``drop_bad_examples``. A fresh ``run_name`` (time, mode, mechanism) is
     chosen when ``fed.run_name`` is empty.
+
+    The first Ctrl-C (SIGINT, when called from the main thread) stops the run between
+    rounds within seconds and raises ``RunInterrupted`` (its ``line()`` says after which
+    round and how to resume); running the same ``fed`` again resumes after that round.
     """
     if site_data:
         fed = replace(fed, num_sites=len(site_data), min_sites=min(fed.min_sites, len(site_data)))
@@ -199,23 +231,33 @@ def simulate(
     from flwr.simulation import run_simulation
 
     from gep_fed.flower.clientapp import make_client_app
-    from gep_fed.flower.serverapp import make_server_app
+    from gep_fed.flower.serverapp import completed_rounds, make_server_app
 
+    resume = "rerun the same command"
     if not fed.run_name:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         fed = replace(fed, run_name=f"{stamp}-{fed.mode}-{fed.mechanism}")
+        resume += f" with --run-name {fed.run_name}"
     done: dict = {}
     began = time.perf_counter()
+    stop = StopRequest()
+    committed = [completed_rounds(RunDirectory(fed.run_directory("")))]
+
+    def on_committed(record: dict) -> None:
+        committed[0] = record["round"] if record.get("applied") else committed[0]
+        if on_round is not None:
+            on_round(record)
+
     logging.getLogger("gep_fed").setLevel(logging.INFO)
     flwr_log = logging.getLogger("flwr")
     level = flwr_log.level
     flwr_log.setLevel(logging.ERROR)  # Flower's deprecation notice and debug chatter
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _first_interrupt_stops(stop, committed, resume):
             warnings.simplefilter("ignore", DeprecationWarning)
             run_simulation(
                 server_app=make_server_app(
-                    fed, progress, on_round, on_done=lambda strategy: done.update(strategy=strategy)
+                    fed, progress, on_committed, on_done=lambda o: done.update(outcome=o), stop=stop
                 ),
                 client_app=make_client_app(fed, simulated_site_settings(fed, site_data)),
                 num_supernodes=fed.num_sites,
@@ -229,9 +271,12 @@ def simulate(
             )
     finally:
         flwr_log.setLevel(level)
-    strategy = done.get("strategy")
-    if strategy is None:
+    outcome = done.get("outcome")
+    if outcome is None:
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")
+    if outcome.interrupted is not None:
+        raise RunInterrupted(outcome.interrupted.completed_round, resume)
+    strategy = outcome.strategy
     run = RunDirectory(fed.run_directory(""))
     return SimulationResult(
         run.path,
