@@ -81,3 +81,31 @@ def simulation_superlink(tmp_path: Path):
         finally:
             os.killpg(link.pid, signal.SIGKILL)
             link.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_local_superlinks(port: int) -> list[int]:
+    """Stop the SuperLink(s) `flwr run` started on ``port`` (Linux: read from /proc), with
+    the processes of their session; returns their ids."""
+    stopped = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if any(w.endswith("flower-superlink") for w in words[:2]) and str(port) in words:
+            pid = int(entry.name)
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            stopped.append(pid)
+    return stopped

@@ -1,6 +1,10 @@
 """`flwr run .` on a Flower simulation SuperLink: the app as Flower's own CLI runs it."""
 
+import os
+import re
 import subprocess
+import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -8,7 +12,7 @@ import pytest
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
-from helpers import BIN, simulation_superlink
+from helpers import BIN, free_port, simulation_superlink, stop_local_superlinks
 
 ROOT = Path(__file__).parents[1]
 
@@ -47,3 +51,61 @@ def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):
     for site in range(3):
         ledger = PrivacyLedger.load_keyed(out.path / "sites" / f"site-{site}" / "ledger.json")
         assert ledger.steps == 4
+
+
+def test_every_dependency_is_left_out_of_flowers_runtime_installation():
+    """Flower's SuperLink runs `uv sync` on the app's pyproject.toml before the app starts;
+    with every dependency and extra excluded it installs nothing and needs no index."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = config["project"]
+    extras = project["optional-dependencies"].values()
+    wanted = project["dependencies"] + [dep for deps in extras for dep in deps]
+    names = {re.split(r"[\s\[<>=!~;@]", dep, maxsplit=1)[0].lower() for dep in wanted}
+    assert names == set(config["tool"]["uv"]["exclude-dependencies"])
+
+
+def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
+    """The README's `flwr run` command, as written (a short run config appended), with no
+    package index reachable and an empty uv cache: Flower starts its own local SuperLink
+    (with runtime installation on, its default), installs nothing, and the ServerApp prints
+    the summary `gep-fed simulate` prints and writes report.md."""
+    readme = (ROOT / "README.md").read_text()
+    (command,) = re.findall(r"^(PATH=\S+ flwr run \. .*)$", readme, flags=re.M)
+    port = free_port()
+    unreachable = "http://127.0.0.1:9/simple"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "UV_", "PIP_"))}
+    env.update(
+        FLWR_HOME=str(tmp_path / "flwr"),
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(port),
+        FLWR_LOCAL_CONTROL_API_PORT=str(free_port()),
+        UV_OFFLINE="1",
+        UV_INDEX_URL=unreachable,
+        UV_DEFAULT_INDEX=unreachable,
+        PIP_INDEX_URL=unreachable,
+        UV_CACHE_DIR=str(tmp_path / "uv-cache"),
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    runs = tmp_path / "runs"
+    short = f" --run-config \"rounds=2 local-steps=2 run-dir='{runs}' run-name='r'\""
+    began = time.monotonic()
+    try:
+        run = subprocess.run(
+            ["bash", "-c", command + short],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        stopped = stop_local_superlinks(port)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert stopped, "flwr run started no local SuperLink of its own"
+    assert "uv sync failed" not in out and "Installed: [" not in out
+    for line in ("test accuracy", "epsilon spent (each site)", "site-0 (its own ledger)"):
+        assert line in run.stdout, run.stdout[-3000:]
+    assert f"run directory: {runs / 'r'}" in run.stdout
+    for name in ("report.md", "accuracy.png", "epsilon.png"):
+        assert (runs / "r" / name).exists(), name
+    print(f"README flwr run, offline: {time.monotonic() - began:.1f} s")
