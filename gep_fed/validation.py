@@ -70,3 +70,9 @@ AT_LEAST_ONE = Range(1, integer=True)
 PROBABILITY = Range(0, 1, low_open=True)  # a Poisson rate q, a quantile
 MOMENTUM = Range(0, 1, high_open=True)
 DELTA = Range(0, 0.1, low_open=True)
+LEARNING_RATE = POSITIVE
+# 0: no augmentation; K: each example's gradient is the mean over K augmented copies
+AUGMENTATION_COPIES = Range(0, 64, integer=True)
+# How a basis travels on the wire, and how it is stored there.
+BASIS_DTYPES = ("float32", "float16")
+BASIS_TRANSPORTS = ("basis", "rebuild")

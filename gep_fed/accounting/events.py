@@ -308,17 +308,26 @@ def _poisson_subsampled(order: int, q: float, rdp_at: dict) -> float:
     return float(logsumexp(terms)) / (order - 1)
 
 
+def rdp_curve(events: Sequence[PrivacyEvent]) -> np.ndarray:
+    """The RDP curve (at ``RDP_ORDERS``) of the composition of ``events``; ``inf``
+    everywhere when a release has no noise."""
+    total = np.zeros(len(RDP_ORDERS))
+    for sigma, q, scale, tau, dimension, steps in _merged(events):
+        if sigma == 0:
+            return np.full(len(RDP_ORDERS), math.inf)
+        curve = distributed_step_rdp(scale, tau, dimension, q) if dimension else _step_rdp(sigma, q)
+        total = total + steps * curve
+    return total
+
+
 def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
     """Epsilon at ``delta`` of the composition of ``events`` by RDP accounting."""
     _check_delta(delta)
     if not events:
         return 0.0
-    total = np.zeros(len(RDP_ORDERS))
-    for sigma, q, scale, tau, dimension, steps in _merged(events):
-        if sigma == 0:
-            return math.inf
-        curve = distributed_step_rdp(scale, tau, dimension, q) if dimension else _step_rdp(sigma, q)
-        total = total + steps * curve
+    total = rdp_curve(events)
+    if np.isinf(total).all():
+        return math.inf
     eps, _ = _dp().rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, total, delta)
     return float(eps)
 

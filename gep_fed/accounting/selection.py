@@ -48,9 +48,7 @@ from gep_fed.accounting.events import (
     ImpossibleTargetError,
     PrivacyEvent,
     _dp,
-    _merged,
-    _step_rdp,
-    distributed_step_rdp,
+    rdp_curve,
 )
 from gep_fed.validation import DELTA
 
@@ -317,16 +315,9 @@ def selection_rdp(
 
 
 def trial_rdp(events: Sequence[PrivacyEvent]) -> np.ndarray:
-    """One candidate's RDP curve at ``RDP_ORDERS``: its events composed exactly as
-    ``epsilon_rdp`` composes them (a test keeps the two equal). ``inf`` everywhere for a
-    release without noise."""
-    total = np.zeros(len(RDP_ORDERS))
-    for sigma, q, scale, tau, dimension, steps in _merged(events):
-        if sigma == 0:
-            return np.full(len(RDP_ORDERS), math.inf)
-        curve = distributed_step_rdp(scale, tau, dimension, q) if dimension else _step_rdp(sigma, q)
-        total = total + steps * curve
-    return total
+    """One candidate's RDP curve at ``RDP_ORDERS``: its events composed as ``epsilon_rdp``
+    composes them (``events.rdp_curve``). ``inf`` everywhere for a release without noise."""
+    return rdp_curve(events)
 
 
 def random_search_rdp(candidates: Sequence[Sequence[PrivacyEvent]]) -> np.ndarray:

@@ -23,7 +23,11 @@ from gep_fed.mechanisms.contract import FEDERATED_MECHANISMS, PrivacyContract
 from gep_fed.mechanisms.step_config import ANCHOR_LABELS, GEPConfig
 from gep_fed.validation import (
     AT_LEAST_ONE,
+    AUGMENTATION_COPIES,
+    BASIS_DTYPES,
+    BASIS_TRANSPORTS,
     DELTA,
+    LEARNING_RATE,
     MOMENTUM,
     NOISE_MULTIPLIER,
     POSITIVE,
@@ -33,12 +37,6 @@ from gep_fed.validation import (
     check_choice,
     check_flag,
 )
-
-BASIS_DTYPES = ("float32", "float16")
-BASIS_TRANSPORTS = ("basis", "rebuild")
-LEARNING_RATE = POSITIVE
-# 0: no augmentation; K: each example's gradient is the mean over K augmented copies
-AUGMENTATION_COPIES = Range(0, 64, integer=True)
 
 
 def task_class(name: str) -> type[Task]:

@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gep_fed.accounting.ledger import default_key_path
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
-from gep_fed.federation.config import AUGMENTATION_COPIES, FederationConfig
+from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.modes import MODE_NAMES, mode_named
 from gep_fed.federation.secure_sum import (
     PinnedPeers,
@@ -38,7 +38,7 @@ from gep_fed.federation.secure_sum import (
     load_site_key,
 )
 from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
-from gep_fed.validation import AT_LEAST_ONE, DELTA, ConfigError
+from gep_fed.validation import AT_LEAST_ONE, AUGMENTATION_COPIES, DELTA, ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 SIMULATED_SITE_ENV = "GEP_FED_SIMULATED_SITE"

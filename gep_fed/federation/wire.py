@@ -20,14 +20,20 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gep_fed.federation.config import AUGMENTATION_COPIES, BASIS_DTYPES, LEARNING_RATE
 from gep_fed.federation.modes import MODE_NAMES, Mode, mode_named
 from gep_fed.mechanisms.anchors import AnchorSet
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.mechanism import ClippedSums, Mechanism
 from gep_fed.mechanisms.subspace import AnchorSubspace
-from gep_fed.validation import AT_LEAST_ONE, MOMENTUM, ConfigError
+from gep_fed.validation import (
+    AT_LEAST_ONE,
+    AUGMENTATION_COPIES,
+    BASIS_DTYPES,
+    LEARNING_RATE,
+    MOMENTUM,
+    ConfigError,
+)
 
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
 # 3: no model spec in the round config (the run's task builds the model at both ends).
