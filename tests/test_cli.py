@@ -296,3 +296,80 @@ def test_show_settings_prints_a_tasks_resolved_settings_and_runs_nothing(capsys,
     assert rows["num-basis"] == [str(SMALL_DATA_RECIPE["num_basis"]), "(task", "pneumonia)"]
     assert rows["seed"] == ["0", "(default)"]
     assert list(tmp_path.iterdir()) == []
+
+
+def _run_directory(path, rows, config=None, **files):
+    import json
+
+    path.mkdir(parents=True)
+    settings = {"task": "digits", "num-sites": 3, "partition": "iid", "dirichlet-alpha": 0.5}
+    settings.update({"mode": "client", "mechanism": "gep", "target-epsilon": 8.0})
+    (path / "config.json").write_text(json.dumps({**settings, **(config or {})}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, payload in files.items():
+        (path / f"{name}.json").write_text(json.dumps(payload))
+    return path
+
+
+def _round(n, rounds):
+    return {"round": n, "test_accuracy": 0.5, "epsilon": 8.0 * (n / rounds) ** 0.5, "applied": 1}
+
+
+def test_a_long_runs_report_shows_one_round_in_n_and_says_where_every_round_is(tmp_path):
+    from gep_fed.cli.report import MAX_TABLE_ROWS, render_report
+
+    rows = [_round(n, 100) for n in range(1, 101)]
+    report = render_report(_run_directory(tmp_path / "r", rows)).read_text()
+    table = [line for line in report.splitlines() if line.startswith("| ") and "round" not in line]
+    assert len(table) <= MAX_TABLE_ROWS
+    assert table[-1].startswith("| 100 |")
+    assert "One round in 5 and the last; every round is in `metrics.jsonl`." in report
+    short = render_report(_run_directory(tmp_path / "s", rows[:3])).read_text()
+    assert "One round in" not in short and "| 3 |" in short
+
+
+def test_the_reports_headline_names_how_the_sites_got_their_data(tmp_path):
+    from gep_fed.cli.report import render_report
+
+    def headline(name, config=None, **files):
+        path = _run_directory(tmp_path / name, [_round(1, 1)], config, **files)
+        return render_report(path).read_text().splitlines()[2]
+
+    own = headline("own", sites={"site-data": {"a": "/data/a", "b": "/data/b"}})
+    assert "3 sites with their own data (`--site-data` a, b)" in own
+    assert "IID shares of the task's pooled data" in headline("iid", sites={"shares": "iid"})
+    skewed = headline("dir", {"partition": "dirichlet"}, sites={"shares": "dirichlet"})
+    assert "Dirichlet label skew (alpha = 0.5)" in skewed
+
+
+def test_the_epsilon_and_projection_plots_have_captions_saying_what_they_mean(tmp_path):
+    from gep_fed.cli.report import render_report
+
+    rows = [{**_round(n, 3), "anchor_projection_error": 0.3} for n in range(1, 4)]
+    report = render_report(_run_directory(tmp_path / "r", rows)).read_text()
+    assert "against the budget (dashed line)" in report
+    assert "log(1/delta)" in report  # why one round already costs a large share
+    assert "the share of the public anchors' gradient energy the subspace misses" in report
+
+
+def test_a_run_refused_before_round_1_has_a_report_saying_so_and_no_nan(tmp_path):
+    from gep_fed.cli.report import render_report
+    from gep_fed.cli.summary import summary_lines
+
+    reason = "10 more step(s) would bring epsilon to 84 > budget 0.5"
+    outcome = {"stop_reason": f"stopped before round 1: {reason}", "interrupted": None}
+    report = render_report(_run_directory(tmp_path / "r", [], outcome=outcome)).read_text()
+    assert f"**refused before round 1: {reason}**" in report and "nan" not in report
+    lines = summary_lines(None, [], outcome["stop_reason"], {}, tmp_path / "r", 1.0)
+    assert lines == [f"refused before round 1: {reason}"]
+
+
+def test_rerunning_a_finished_or_stopped_run_says_what_it_does(tmp_path):
+    from gep_fed.federation.rundir import RunDirectory
+    from gep_fed.flower.serverapp import resume_line
+
+    run = RunDirectory(tmp_path / "r")
+    assert resume_line(run, 0, 10) is None  # a new run
+    assert resume_line(run, 4, 10) == f"resuming run {run.path} after round 4 of 10"
+    finished = resume_line(run, 10, 10)
+    assert finished.startswith(f"run {run.path} already finished its 10 round(s): nothing is")

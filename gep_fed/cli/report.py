@@ -6,20 +6,43 @@ from pathlib import Path
 
 from gep_fed.accounting.events import pld_text
 from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.cli.summary import refusal_before_round_1
 from gep_fed.federation.modes import mode_named
 from gep_fed.federation.rundir import CONFIG, REPORT, RunDirectory, latest_attempts
-from gep_fed.flower.simulation import read_site_rounds, site_line
+from gep_fed.flower.serverapp import OUTCOME
+from gep_fed.flower.simulation import SITES, read_site_rounds, site_line
 
-# (metric keys drawn together, y label, file): the task's metrics on the server's test data
+# (metric keys drawn together, y label, file, caption): the task's metrics on the server's
+# test data, the privacy spent, the subspace's fit
 PLOTS = (
     (
         ("test_accuracy", "test_balanced_accuracy", "test_auroc"),
         "the task's metrics (test data)",
         "accuracy.png",
+        "The task's metrics on the server's test data after each round; the dashed line is "
+        "what always predicting the most frequent class scores.",
     ),
-    (("epsilon",), "epsilon spent (RDP)", "epsilon.png"),
-    (("anchor_projection_error",), "projection error on anchors", "projection_error.png"),
+    (
+        ("epsilon",),
+        "epsilon spent (RDP)",
+        "epsilon.png",
+        "Epsilon spent after each round (RDP accountant), against the budget (dashed line): "
+        "the run stops before a round that would pass it. The first round already costs a "
+        "large share: turning the accountant's bound into (epsilon, delta) adds a fixed "
+        "cost of about log(1/delta)/(alpha - 1) whatever the number of steps, so later rounds "
+        "add less and less (epsilon grows about as the square root of the steps).",
+    ),
+    (
+        ("anchor_projection_error",),
+        "projection error on anchors",
+        "projection_error.png",
+        "Projection error: the share of the public anchors' gradient energy the subspace "
+        "misses (0: it holds all of it, 1: none), each time the subspace is computed. Lower "
+        "is better: GEP noises the part inside the subspace far less than the rest.",
+    ),
 )
+# A longer run's report table shows every N-th round (the full table is metrics.jsonl).
+MAX_TABLE_ROWS = 20
 LABELS = {
     "test_accuracy": "accuracy",
     "test_balanced_accuracy": "balanced accuracy",
@@ -27,9 +50,12 @@ LABELS = {
 }
 
 
-def _plot(rows: list[dict], keys: tuple[str, ...], label: str, path: Path) -> bool:
+def _plot(
+    rows: list[dict], keys: tuple[str, ...], label: str, path: Path, budget: float | None = None
+) -> bool:
     """One line per key over the rounds; the accuracy plot also draws the majority-class
-    rate, what always predicting the most frequent class scores."""
+    rate, what always predicting the most frequent class scores, the epsilon plot the
+    budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,13 +71,16 @@ def _plot(rows: list[dict], keys: tuple[str, ...], label: str, path: Path) -> bo
     majority = [r["test_majority_rate"] for r in rows if _finite(r.get("test_majority_rate"))]
     if drawn and "test_accuracy" in keys and majority:
         ax.axhline(majority[-1], color="grey", linestyle="--", label="majority class")
+    if drawn and "epsilon" in keys and _finite(budget):
+        ax.axhline(budget, color="grey", linestyle="--", label="budget")
+        ax.set_ylim(bottom=0)
     if not drawn:
         plt.close(fig)
         return False
     ax.set_xlabel("round")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
-    if len(keys) > 1:
+    if ax.get_legend_handles_labels()[0] and (len(keys) > 1 or budget is not None):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -97,6 +126,34 @@ def replies_line(rows: list[dict]) -> str:
     )
 
 
+def table_step(n_rows: int) -> int:
+    """Show every N-th round: the smallest N of 1, 2, 5, 10, 20, 50, ... that keeps the
+    table within ``MAX_TABLE_ROWS`` rows."""
+    step, factors = 1, iter((2, 2.5, 2) * 20)
+    while n_rows / step > MAX_TABLE_ROWS:
+        step = round(step * next(factors))
+    return step
+
+
+def sites_formed(run: RunDirectory, config: dict) -> str:
+    """How many sites, and how they got their data: their own folders (``--site-data``),
+    IID or Dirichlet shares of the task's pooled data (a simulation), or a deployment's."""
+    n = config.get("num-sites")
+    formed = run.read_json(SITES) if run.file(SITES).exists() else {}
+    if "site-data" in formed:
+        return f"{n} sites with their own data (`--site-data` {', '.join(formed['site-data'])})"
+    if config.get("partition") == "dirichlet":
+        shares = (
+            f"shares of the task's pooled data with Dirichlet label skew "
+            f"(alpha = {config.get('dirichlet-alpha')})"
+        )
+    else:
+        shares = "IID shares of the task's pooled data"
+    if formed or (run.path / "sites").is_dir():  # simulated sites keep their ledgers here
+        return f"{n} sites holding {shares}"
+    return f"{n} sites (if simulated, holding {shares}; if deployed, each its own data)"
+
+
 def render_report(run_dir: str | Path) -> Path:
     """Write ``report.md`` and its plots into ``run_dir``; returns the report's path."""
     run = RunDirectory.open(run_dir)
@@ -104,9 +161,13 @@ def render_report(run_dir: str | Path) -> Path:
     rows = run.read_metrics()
     lines = [f"# gep-fed run `{run.path.name}`", ""]
     mode, mech = config.get("mode"), config.get("mechanism")
+    outcome = run.read_json(OUTCOME) if run.file(OUTCOME).exists() else {}
+    refused = refusal_before_round_1(outcome.get("stop_reason"), rows)
+    if refused:
+        lines += [f"**{refused}**", ""]
     lines += [
-        f"- task **{config.get('task')}**, {config.get('num-sites')} sites "
-        f"({config.get('partition')}), mode **{mode}**, mechanism **{mech}**",
+        f"- task **{config.get('task')}**, {sites_formed(run, config)}, mode **{mode}**, "
+        f"mechanism **{mech}**",
         f"- noise multiplier sigma = {config.get('resolved-noise-multiplier', 0):.4f}, "
         f"q = {config.get('sample-rate')}, budget epsilon = {config.get('target-epsilon')} at "
         f"delta = {config.get('delta')}",
@@ -145,18 +206,26 @@ def render_report(run_dir: str | Path) -> Path:
         if best is not None:
             lines.append(f"- best model on the task's validation set: {best}")
         lines.append(f"- {replies_line(rows)}")
+    if outcome.get("interrupted"):
+        lines.append(f"- **{outcome['interrupted']}**")
+    elif outcome.get("stop_reason") and not refused:
+        lines.append(f"- **stopped early:** {outcome['stop_reason']}")
     if any("site_train_loss_OUTSIDE_PRIVACY_GUARANTEE" in r for r in rows):
         lines.append(
             "- **warning:** sites released raw training losses: those values are "
             "OUTSIDE the privacy guarantee"
         )
+    every = table_step(len(rows))
+    shown = [r for i, r in enumerate(rows) if r["round"] % every == 0 or i == len(rows) - 1]
+    if every > 1:
+        lines += ["", f"One round in {every} and the last; every round is in `metrics.jsonl`."]
     lines += [
         "",
         "| round | accuracy | balanced accuracy | AUROC | majority class | epsilon (RDP) | "
         "sites ok / asked | rejected | basis bytes / site | seconds |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in shown:
         per_site = r.get("basis_bytes_per_site") or [0]
         lines.append(
             f"| {r['round']} | {_f(r.get('test_accuracy'))} | "
@@ -179,9 +248,10 @@ def render_report(run_dir: str | Path) -> Path:
         lines += ["", "## Simulated sites that were refused", ""]
         lines += [f"- {site}: {site_line(rows_)}" for site, rows_ in sorted(refused.items())]
     lines.append("")
-    for keys, label, name in PLOTS:
-        if _plot(rows, keys, label, run.file(name)):
-            lines += [f"![{label}]({name})", ""]
+    budget = config.get("target-epsilon")
+    for keys, label, name, caption in PLOTS:
+        if _plot(rows, keys, label, run.file(name), budget if "epsilon" in keys else None):
+            lines += [f"![{label}]({name})", "", caption, ""]
     path = run.file(REPORT)
     path.write_text("\n".join(lines))
     return path

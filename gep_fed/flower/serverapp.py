@@ -170,4 +170,6 @@ def _print_result(config: FederationConfig, strategy: GEPStrategy, wall: float) 
     lines = summary_lines(
         config, rows, strategy.stop_reason, read_site_rounds(run.path), run.path, wall
     )
-    print("\n".join(["", *lines, f"run directory: {run.path}", f"report:        {report}"]))
+    # under flwr run, a relative run-dir is the local SuperLink's folder: print where it is
+    where = [f"run directory: {run.path.resolve()}", f"report:        {report.resolve()}"]
+    print("\n".join(["", *lines, *where]))

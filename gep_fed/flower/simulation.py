@@ -28,6 +28,10 @@ from gep_fed.flower.interrupt import RunInterrupted, StopRequest
 from gep_fed.mechanisms.per_example import validate_model
 from gep_fed.validation import ConfigError
 
+# How a simulation's sites got their data: ``{"site-data": {name: path}}`` (``--site-data``)
+# or ``{"shares": partition}`` (shares of the task's pooled data).
+SITES = "sites.json"
+
 
 @dataclass(frozen=True)
 class SimulationResult:
@@ -90,6 +94,10 @@ def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         out[path.parent.name] = sorted(rows, key=lambda r: r.get("round") or 0)
     return out
+
+
+# Where the simulated sites run: Flower's Simulation Engine, or this process (in_process).
+ENGINES = ("ray", "in-process")
 
 
 class SiteCheckFailed(ConfigError):
@@ -198,8 +206,13 @@ def simulate(
     *,
     site_data: Mapping[str, str] | None = None,
     drop_bad_examples: bool = False,
+    engine: str = "ray",
 ) -> SimulationResult:
     """Run ``fed`` with ``fed.num_sites`` virtual sites; returns the run directory and metrics.
+
+    ``engine``: "ray" (Flower's Simulation Engine) or "in-process" (the same ServerApp and
+    ClientApps exchanging Flower messages in this process, one site after another, without
+    Ray: ``gep_fed.flower.in_process``; for tests and quick experiments).
 
     ``site_data``: the sites' own data, ``{site name: path}`` read by the task's
     ``site_dataset`` (as a deployed site reads its node config's ``data-path``), instead of
@@ -215,6 +228,8 @@ def simulate(
     rounds within seconds and raises ``RunInterrupted`` (its ``line()`` says after which
     round and how to resume); running the same ``fed`` again resumes after that round.
     """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
     if site_data:
         fed = replace(fed, num_sites=len(site_data), min_sites=min(fed.min_sites, len(site_data)))
     problems = check_simulated_sites(fed, site_data)
@@ -231,6 +246,7 @@ def simulate(
     from flwr.simulation import run_simulation
 
     from gep_fed.flower.clientapp import make_client_app
+    from gep_fed.flower.in_process import run_in_process
     from gep_fed.flower.serverapp import completed_rounds, make_server_app
 
     resume = "rerun the same command"
@@ -255,29 +271,37 @@ def simulate(
     try:
         with warnings.catch_warnings(), _first_interrupt_stops(stop, committed, resume):
             warnings.simplefilter("ignore", DeprecationWarning)
-            run_simulation(
-                server_app=make_server_app(
-                    fed, progress, on_committed, on_done=lambda o: done.update(outcome=o), stop=stop
-                ),
-                client_app=make_client_app(fed, simulated_site_settings(fed, site_data)),
-                num_supernodes=fed.num_sites,
-                backend_config={
-                    "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
-                    "init_args": {
-                        "num_cpus": max(1, os.cpu_count() or 1),
-                        "include_dashboard": False,
-                    },
-                },
+            server_app = make_server_app(
+                fed, progress, on_committed, on_done=lambda o: done.update(outcome=o), stop=stop
             )
+            client_app = make_client_app(fed, simulated_site_settings(fed, site_data))
+            if engine == "in-process":
+                run_in_process(server_app, client_app, fed.num_sites)
+            else:
+                run_simulation(
+                    server_app=server_app,
+                    client_app=client_app,
+                    num_supernodes=fed.num_sites,
+                    backend_config={
+                        "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
+                        "init_args": {
+                            "num_cpus": max(1, os.cpu_count() or 1),
+                            "include_dashboard": False,
+                        },
+                    },
+                )
     finally:
         flwr_log.setLevel(level)
+    run = RunDirectory(fed.run_directory(""))
+    if run.path.is_dir():
+        formed = {"site-data": dict(site_data)} if site_data else {"shares": fed.partition}
+        run.write_json(SITES, formed)
     outcome = done.get("outcome")
     if outcome is None:
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")
     if outcome.interrupted is not None:
         raise RunInterrupted(outcome.interrupted.completed_round, resume)
     strategy = outcome.strategy
-    run = RunDirectory(fed.run_directory(""))
     return SimulationResult(
         run.path,
         run.read_metrics(),
