@@ -207,6 +207,7 @@ def simulate(
     site_data: Mapping[str, str] | None = None,
     drop_bad_examples: bool = False,
     engine: str = "ray",
+    site_settings: Mapping[str, object] | None = None,
 ) -> SimulationResult:
     """Run ``fed`` with ``fed.num_sites`` virtual sites; returns the run directory and metrics.
 
@@ -227,6 +228,10 @@ def simulate(
     The first Ctrl-C (SIGINT, when called from the main thread) stops the run between
     rounds within seconds and raises ``RunInterrupted`` (its ``line()`` says after which
     round and how to resume); running the same ``fed`` again resumes after that round.
+
+    ``site_settings``: the simulated sites' own settings (node-config keys such as
+    ``epsilon-budget`` or ``ledger-dir``) over ``simulated_site_settings``' (``gep-fed tune``
+    keeps every trial's site ledgers in one folder, each site's budget the tuning's total).
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
@@ -274,7 +279,8 @@ def simulate(
             server_app = make_server_app(
                 fed, progress, on_committed, on_done=lambda o: done.update(outcome=o), stop=stop
             )
-            client_app = make_client_app(fed, simulated_site_settings(fed, site_data))
+            sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
+            client_app = make_client_app(fed, sites)
             if engine == "in-process":
                 run_in_process(server_app, client_app, fed.num_sites)
             else:
