@@ -146,7 +146,7 @@ def test_a_simulated_federation_trains_on_rebuilt_bases(tmp_path):
         run_name="r",
         basis_transport="rebuild",
     )
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     assert result.stop_reason is None
     assert all(m["sites_ok"] == 3 and not m["rejected"] for m in result.metrics)
     sent = [m["basis_bytes_per_site"] for m in result.metrics]

@@ -108,6 +108,8 @@ def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
         "3",
         "--run-dir",
         str(tmp_path),
+        "--engine",
+        "in-process",
     )
     run_dir = Path(proc.stdout.split("run directory:")[1].split()[0])
     sites = [PrivacyLedger.load_keyed(p) for p in sorted(run_dir.glob("sites/*/ledger.json"))]
@@ -146,6 +148,7 @@ def test_a_comparison_with_a_failed_run_marks_it_and_returns_its_failure(tmp_pat
         name="c",
         mechanisms=("gep",),
         modes=("client",),
+        engine="in-process",
     )
     assert failures == [
         "GEP client, epsilon 2.0: the model was not updated in round(s) 1: too few valid "

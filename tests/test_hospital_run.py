@@ -140,6 +140,7 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed
     ]
     for name, path in folders.items():
         args += ["--site-data", f"{name}={path}"]
+    args += ["--engine", "in-process"]  # what is tested is the run, not Ray
     checked = gep_fed(*args)
     assert checked.returncode == 2  # refused before round 1: every example unreadable
     lines = [x for x in checked.stderr.splitlines() if x.strip().startswith("hospital-")]
@@ -184,7 +185,10 @@ def test_a_simulation_over_per_site_folders_reads_exactly_those_and_a_site_may_l
     monkeypatch.setenv("PYTHONPATH", str(TESTS))
     reads.write_text("")  # what a site reads does not depend on the mode
     result = simulate(
-        tiny(tmp_path, mode="client", run_name="client"), progress=False, site_data=folders
+        tiny(tmp_path, mode="client", run_name="client"),
+        progress=False,
+        site_data=folders,
+        engine="in-process",
     )
     assert all(r["sites_ok"] == 2 and r["applied"] for r in result.metrics)
     assert sorted(result.site_rounds) == ["hospital-a", "hospital-b"]

@@ -21,6 +21,7 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.flower.simulation import simulate
 from gep_fed.mechanisms.mechanism import GEP
+from gep_fed.validation import ConfigError
 
 # Ray workers must unpickle the tampering client app defined here.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -133,7 +134,7 @@ def test_bad_replies_are_rejected_by_name_and_the_round_goes_on(tmp_path, monkey
     )
     monkeypatch.setattr("gep_fed.flower.clientapp.make_client_app", tampering_client_app)
     caplog.set_level("WARNING", logger="gep_fed.server")
-    result = runner.simulate(fed, progress=False)
+    result = runner.simulate(fed, progress=False, engine="in-process")
     expected = [
         "'clipped-sums.residual': shape",
         "'clipped-sums.embedding': contains NaN",
@@ -161,7 +162,7 @@ def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
         run_name="r",
         **FAST,
     )
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     assert [m["round"] for m in result.metrics] == [1, 2]
     assert "stopped before round 3" in result.stop_reason
     assert "spent so far" in result.stop_reason and "left" in result.stop_reason
@@ -175,7 +176,7 @@ def test_a_site_with_an_exhausted_budget_refuses_and_the_others_go_on(tmp_path):
     spent = tmp_path / "r" / "sites" / "site-1" / "ledger.json"
     key = create_ledger_key(default_key_path(spent))
     PrivacyLedger(1e-5, None, "site-1", spent, key=key).record(GEP.event(1.0, 0.2, 95))
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     for metrics in result.metrics:
         assert metrics["sites_ok"] == 2 and metrics["applied"]
         (why,) = metrics["rejected"]  # a fixed code, nothing else from the site
@@ -190,9 +191,8 @@ def test_rounds_without_enough_valid_replies_fail_the_run_on_every_path(tmp_path
     ServerApp as deployed (``flwr run``) raises, so Flower records the run as failed, and
     ``simulate``'s result (what ``gep-fed simulate`` exits 1 on) names the same rounds;
     metrics and ledgers stay."""
-    from flwr.simulation import run_simulation
-
     from gep_fed.flower.clientapp import make_client_app
+    from gep_fed.flower.in_process import run_in_process
     from gep_fed.flower.serverapp import RunFailedError, make_server_app
     from gep_fed.flower.simulation import SimulationResult, simulated_site_settings
 
@@ -210,10 +210,10 @@ def test_rounds_without_enough_valid_replies_fail_the_run_on_every_path(tmp_path
     key = create_ledger_key(default_key_path(spent))
     PrivacyLedger(1e-5, None, "site-1", spent, key=key).record(GEP.event(1.0, 0.2, 95))
     with pytest.raises(RunFailedError, match=r"not updated in round\(s\) 1-2") as raised:
-        run_simulation(
-            server_app=make_server_app(fed, progress=False),
-            client_app=make_client_app(fed, simulated_site_settings(fed)),
-            num_supernodes=2,
+        run_in_process(
+            make_server_app(fed, progress=False),
+            make_client_app(fed, simulated_site_settings(fed)),
+            num_sites=2,
         )
     assert "at most 1 in those rounds" in str(raised.value)
     rows = RunDirectory(tmp_path / "r").read_metrics()
@@ -238,3 +238,10 @@ def test_simulated_sites_accept_the_work_their_own_simulation_asks():
     assert (large.max_local_steps, large.max_augmentation_copies) == (150, 32)
     small = policy(FederationConfig(local_steps=3))
     assert (small.max_local_steps, small.max_augmentation_copies) == (100, 16)
+
+
+def test_an_unknown_engine_is_named_before_anything_runs(tmp_path):
+    fed = FederationConfig(rounds=1, run_dir=str(tmp_path), run_name="r", **FAST)
+    with pytest.raises(ConfigError, match=r"engine must be one of \['ray', 'in-process'\]"):
+        simulate(fed, engine="threads")
+    assert not (tmp_path / "r").exists()

@@ -86,7 +86,7 @@ def small_run(tmp_path, monkeypatch, task: str, **settings) -> dict:
 def test_a_users_own_task_trains_in_a_flower_simulation(tmp_path, monkeypatch):
     """Client mode (central mode with a user's task is the deployment guide's first run)."""
     fed = FederationConfig(**small_run(tmp_path, monkeypatch, "TwoFindingsTask"))
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     assert [m["round"] for m in result.metrics] == [1, 2]
     assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
     last = result.metrics[-1]
@@ -107,7 +107,7 @@ def test_every_site_averages_over_the_augmented_copies_the_run_asks_for(tmp_path
     monkeypatch.setenv("GEP_FED_TEST_AUGMENTATION_LOG", str(log))
     settings = small_run(tmp_path, monkeypatch, "AugmentedDigits", max_chunk=32)
     fed = FederationConfig(augmentation_copies=3, **settings)
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
     rows = [int(n) for n in log.read_text().split()]
     # the server's anchors are never augmented; every site call is whole examples' copies
@@ -127,7 +127,7 @@ def test_the_server_keeps_the_best_round_on_the_tasks_validation_set(tmp_path, m
     model of the best round by validation balanced accuracy (re-evaluating it gives that
     round's figure), and the final model stays the result in model.pt."""
     fed = FederationConfig(**small_run(tmp_path, monkeypatch, "DigitsWithValidation", rounds=4))
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     rows = result.metrics
     scores = [r["val_balanced_accuracy"] for r in rows]
     best = 1 + scores.index(max(scores))
@@ -172,7 +172,7 @@ def test_cifar10_with_resnet20_gn_trains_a_client_mode_round_reduced(tmp_path):
         run_dir=str(tmp_path),
         run_name="client",
     )
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     (metrics,) = result.metrics
     assert metrics["sites_ok"] == 3 and metrics["applied"]
     assert 0 <= metrics["test_accuracy"] <= 1

@@ -123,11 +123,13 @@ def run_comparison(
     equal: str = "steps",
     mechanisms: tuple[str, ...] = MECHANISMS,
     modes: tuple[str, ...] = MODE_NAMES,
+    engine: str = "ray",
 ) -> tuple[str, list[str]]:
     """Run the matrix (``matrix``: modes at equal private steps by default); write
     ``<out>/<name>.md``, ``.json`` and ``.png``; return the table and one line per failure
     of a run (``SimulationResult.failures``: rounds that did not update the model, a site
-    refused in every round), which the table lists too."""
+    refused in every round), which the table lists too. ``engine``: where each run's sites
+    run (``simulate``'s)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = name or f"{time.strftime('%Y%m%d-%H%M%S')}-{base.task}"
@@ -141,7 +143,7 @@ def run_comparison(
             run_dir=str(out / name / "runs"),
             run_name=f"{i:02d}-{fed.mode}-{fed.mechanism}-eps{eps}",
         )
-        res = simulate(fed, progress=False)
+        res = simulate(fed, progress=False, engine=engine)
         last = res.metrics[-1] if res.metrics else {}
         per_round = [m.get("bytes_sent", 0) + m.get("bytes_received", 0) for m in res.metrics]
         rows.append(

@@ -160,6 +160,7 @@ def _simulate(args: argparse.Namespace) -> int:
         progress=True,
         site_data=_site_data(args.site_data),
         drop_bad_examples=args.drop_bad_examples,
+        engine=args.engine,
     )
     wall = time.perf_counter() - began
     report = render_report(result.run_dir)
@@ -421,6 +422,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run even when a site's data has examples that cannot be read or do not suit "
         "the task (checked before round 1): they are dropped from every sample",
+    )
+    sim.add_argument(
+        "--engine",
+        choices=["ray", "in-process"],
+        default="ray",
+        help="ray: Flower's Simulation Engine (the sites in parallel worker processes); "
+        "in-process: the same server and site apps exchanging Flower's messages in this "
+        "process, one site after another (no start-up: quick runs and tests)",
     )
     sim.add_argument(
         "--show-settings",
