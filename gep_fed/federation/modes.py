@@ -17,18 +17,53 @@ the Flower adapter) asks the round's mode instead of comparing its name.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar, Protocol
+
+import numpy as np
+import torch
 
 from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.distributed_noise import MAX_BITS, MIN_BITS
+from gep_fed.mechanisms.groups import ParameterLayout
+from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import ConfigError, Range
 
-if TYPE_CHECKING:
-    from gep_fed.federation.site import Site, SiteRelease
-    from gep_fed.federation.wire import RoundConfig
-    from gep_fed.mechanisms.contract import PrivacyContract
-    from gep_fed.mechanisms.subspace import AnchorSubspace
+
+@dataclass(frozen=True)
+class SiteRelease:
+    """What a site sends for one round: clipped sums (central), a noisy delta (client) or
+    its noised quantised share of a secure sum (distributed: int64 in ``[0, 2**bits)``)."""
+
+    sums: ClippedSums | None = None
+    delta: torch.Tensor | None = None
+    share: np.ndarray | None = None
+
+
+class RoundConfig(Protocol):
+    """What a mode reads of a round's config (``gep_fed.federation.wire.RoundConfig``)."""
+
+    round: int
+    privacy: PrivacyContract
+    local_steps: int
+
+
+class Site(Protocol):
+    """What a mode asks of a site (``gep_fed.federation.site.Site``)."""
+
+    site_id: str
+    layout: ParameterLayout
+    policy: object  # SitePolicy: max_colluding_sites, max_local_steps, noise_shares
+
+    def central_sums(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> ClippedSums: ...
+
+    def distributed_share(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> np.ndarray: ...
+
+    def local_update(self, subspace: AnchorSubspace | None, rc: RoundConfig) -> torch.Tensor: ...
+
+    def langevin_events(self, rc: RoundConfig) -> list[PrivacyEvent]: ...
 
 
 class Mode:
@@ -94,8 +129,6 @@ class CentralMode(Mode):
     site_placement = "trusted-server"
 
     def release(self, site, rc, subspace):
-        from gep_fed.federation.site import SiteRelease
-
         return SiteRelease(sums=site.central_sums(subspace, rc))
 
 
@@ -126,8 +159,6 @@ class ClientMode(Mode):
         return contract.events(local_steps, party="each-site", round=round_)
 
     def release(self, site, rc, subspace):
-        from gep_fed.federation.site import SiteRelease
-
         return SiteRelease(delta=site.local_update(subspace, rc))
 
 
@@ -171,8 +202,6 @@ class DistributedMode(Mode):
         return contract.events(1, party="federation", round=round_, dimension=dimension)
 
     def release(self, site, rc, subspace):
-        from gep_fed.federation.site import SiteRelease
-
         return SiteRelease(share=site.distributed_share(subspace, rc))
 
 

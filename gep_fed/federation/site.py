@@ -19,7 +19,6 @@ chunks of ``max_chunk`` examples, clipping and summing chunk by chunk.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -32,6 +31,7 @@ from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
 from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
+from gep_fed.federation.modes import SiteRelease
 from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
 from gep_fed.mechanisms.anchors import AnchorSet, rebuild_anchor_subspace
@@ -56,16 +56,6 @@ def resolve_device(preference: str = "auto") -> torch.device:
     if preference == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(preference)
-
-
-@dataclass(frozen=True)
-class SiteRelease:
-    """What a site sends for one round: clipped sums (central), a noisy delta (client) or
-    its noised quantised share of a secure sum (distributed: int64 in ``[0, 2**bits)``)."""
-
-    sums: ClippedSums | None = None
-    delta: torch.Tensor | None = None
-    share: np.ndarray | None = None
 
 
 class Site:
