@@ -89,10 +89,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_local_superlinks(port: int) -> list[int]:
+def stop_local_superlinks(port: int) -> dict[int, str]:
     """Stop the SuperLink(s) `flwr run` started on ``port`` (Linux: read from /proc), with
-    the processes of their session; returns their ids."""
-    stopped = []
+    the processes of their session; returns their ids and command lines."""
+    stopped = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -107,5 +107,5 @@ def stop_local_superlinks(port: int) -> list[int]:
                 os.killpg(os.getpgid(pid), signal.SIGTERM)
             except ProcessLookupError:
                 continue
-            stopped.append(pid)
+            stopped[pid] = " ".join(words).strip()
     return stopped

@@ -68,7 +68,8 @@ def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
     """The README's `flwr run` command, as written (a short run config appended), with no
     package index reachable and an empty uv cache: Flower starts its own local SuperLink
     (with runtime installation on, its default), installs nothing, and the ServerApp prints
-    the summary `gep-fed simulate` prints and writes report.md."""
+    the summary `gep-fed simulate` prints and writes report.md; the README's command to stop
+    that SuperLink matches it."""
     readme = (ROOT / "README.md").read_text()
     (command,) = re.findall(r"^(PATH=\S+ flwr run \. .*)$", readme, flags=re.M)
     port = free_port()
@@ -102,6 +103,9 @@ def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert stopped, "flwr run started no local SuperLink of its own"
+    # the README's way to stop it matches it (here it is stopped by its id)
+    (pattern,) = re.findall(r"`pkill -f '([^']+)'`", " ".join(readme.split()))
+    assert all(pattern in line for line in stopped.values()), stopped
     assert "uv sync failed" not in out and "Installed: [" not in out
     for line in ("test accuracy", "epsilon spent (each site)", "site-0 (its own ledger)"):
         assert line in run.stdout, run.stdout[-3000:]

@@ -26,3 +26,19 @@ def test_the_readme_library_example_runs_and_spends_its_budget_over_its_steps():
     assert step.ledger.steps == 3
     assert abs(step.ledger.epsilon() - 2.0) < 0.01
     assert all(p.grad is not None for p in step.model.parameters())
+
+
+def test_the_readmes_fast_tier_installs_pytest_before_running_it():
+    text = " ".join(README.read_text().split())
+    (fast,) = re.findall(r"`([^`]*-m \"not slow\"[^`]*)`", text)
+    install, _, run = fast.partition("&&")
+    assert "pip install" in install and "'.[test]'" in install and "pytest" in run
+
+
+def test_the_task_guide_names_every_built_in_task():
+    from gep_fed.data.registry import BUILT_IN_TASKS
+
+    guide = (README.parent / "docs" / "tasks.md").read_text()
+    intro = " ".join(guide.split("## What a task provides")[0].split())
+    listed = re.search(r"The built-in tasks \(([^)]*)\)", intro).group(1)
+    assert re.findall(r"`([^`]+)`", listed) == list(BUILT_IN_TASKS)

@@ -57,10 +57,12 @@ class StoppableGrid:
     request, and replies still missing ``grace`` seconds after it abandon the round
     (``RunInterrupted``). Everything else is the wrapped Grid's."""
 
-    def __init__(self, grid, stop: StopRequest, poll_s: float = 0.1) -> None:
+    def __init__(self, grid, stop: StopRequest, poll_s: float | None = None) -> None:
         self.grid = grid
         self.stop = stop
-        self.poll_s = poll_s
+        # as often as the Grid itself polls (Flower's in-memory Grid says it; its HTTP
+        # Grid polls every 3 s)
+        self.poll_s = poll_s if poll_s is not None else getattr(grid, "pull_interval", 3.0)
 
     def __getattr__(self, name: str):
         return getattr(self.grid, name)
