@@ -484,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.set_defaults(func=_compare)
 
+    from gep_fed.cli.tune import add_tune_parser
+
+    add_tune_parser(sub)
+
     rep = sub.add_parser("report", help="re-render report.md and plots of a run directory")
     rep.add_argument("run_dir", help="a run directory (holds config.json, metrics.jsonl)")
     rep.set_defaults(func=_report)

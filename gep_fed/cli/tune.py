@@ -1,0 +1,154 @@
+"""``gep-fed tune``: choose among declared settings privately (``gep_fed.federation.tuning``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.modes import MODE_NAMES
+from gep_fed.validation import ConfigError
+
+EXAMPLE = """\
+a candidates file (TOML): an optional [base] table of the settings every trial shares, and
+one [[candidate]] table per candidate, with the run config's keys (kebab- or snake-case):
+
+  [base]
+  num-sites = 3
+  rounds = 20
+
+  [[candidate]]
+  mechanism = "gep"
+  server-lr = 2.0
+
+  [[candidate]]
+  mechanism = "gp"
+  clip-norm = 0.5
+  sample-rate = 0.05
+"""
+
+
+def add_tune_parser(sub) -> None:
+    """The ``tune`` subcommand, on the ``gep-fed`` parser's subparsers ``sub``."""
+    p = sub.add_parser(
+        "tune",
+        help="choose among declared settings privately: each trial a federated run, all "
+        "within one total budget that every site's ledger records",
+        description="Run T trials, each a federated simulation of one declared candidate, "
+        "all sharing one total privacy budget (each trial gets the same calibrated share, "
+        "and every site's ledger records every trial it took part in and refuses one beyond "
+        "its budget). The candidate whose run scores best on the server's own validation "
+        "data is chosen; its model and test figures are reported, never used to choose. "
+        "Writes tune.json and tune.md. Exit status 1 when no trial finished.",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--candidates",
+        required=True,
+        metavar="FILE.toml",
+        help="the candidates: [[candidate]] tables of settings over an optional [base] table",
+    )
+    p.add_argument(
+        "--task",
+        help="the task, which must have validation data (e.g. pneumonia; default: [base]'s task)",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        help="T, the number of trials: each costs a share of the budget (default: every "
+        "candidate once, in the file's order; otherwise each trial's candidate is drawn "
+        "uniformly by the OS's random number generator)",
+    )
+    p.add_argument(
+        "--epsilon",
+        type=float,
+        help="the total epsilon of the whole tuning at every site: the composition of all "
+        "its trials (default: [base]'s target-epsilon, else 8)",
+    )
+    p.add_argument(
+        "--delta", type=float, help="the delta of that total (default: [base]'s, else 1e-5)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=list(MODE_NAMES),
+        help="the noise placement of every trial (default: [base]'s, else client)",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="also run every candidate once at the whole budget and report the best on "
+        "validation: a non-private selection, labelled OUTSIDE THE GUARANTEE",
+    )
+    p.add_argument("--run-dir", help="where the tuning's folder goes (default: runs)")
+    p.add_argument("--out", help="the tuning's folder (default: <run-dir>/tune-<time>)")
+    p.set_defaults(func=run_tune)
+
+
+def base_config(args: argparse.Namespace, table: dict) -> FederationConfig:
+    """The settings every trial shares: the file's [base] table under the options given."""
+    from gep_fed.data.registry import task_file_name
+
+    given = {"task": args.task, "mode": args.mode, "run-dir": args.run_dir}
+    values = {**table, **{k: v for k, v in given.items() if v is not None}}
+    if "task" in values and isinstance(values["task"], str):
+        values["task"] = task_file_name(values["task"])
+    try:
+        return FederationConfig.from_record(values)
+    except ConfigError as err:
+        raise ConfigError(f"{args.candidates} [base]: {err}") from None
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.4f}"
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from gep_fed.federation.tuning import OUTSIDE, TUNE_MD, TuneConfig, candidates_from_toml, tune
+
+    table, candidates = candidates_from_toml(args.candidates)
+    config = TuneConfig(
+        base_config(args, table),
+        candidates,
+        trials=args.trials,
+        target_epsilon=args.epsilon,
+        delta=args.delta,
+        reference=args.reference,
+        out_dir=args.out or "",
+    )
+    for name in ("flwr", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    result = tune(config, log=print, simulate_options={"progress": sys.stderr.isatty()})
+    print("")
+    if result.stopped:
+        print(f"stopped early: {result.stopped}")
+    if result.chosen is not None:
+        c = result.chosen
+        settings = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in c.settings.items())
+        test = ", ".join(f"{k} {v:.4g}" for k, v in result.test_metrics.items())
+        print(
+            f"chosen: trial {c.trial}, candidate {c.candidate} ({settings or 'the base'}), "
+            f"validation score {c.validation_score:.4f} (round {c.best_round})"
+        )
+        print(f"its test metrics (never used to choose): {test}")
+        print(f"model: {result.model_path}")
+    print(
+        "epsilon of the whole tuning (each site's ledger: every trial it took part in, the "
+        f"guarantee against the server): {_number(result.epsilon_rdp)} (RDP), "
+        f"{_number(result.epsilon_pld)} (PLD), delta {result.delta:g}"
+    )
+    reference = (result.reference or {}).get("chosen")
+    if reference is not None:
+        test = ", ".join(f"{k} {v:.4g}" for k, v in reference["test"].items())
+        print(
+            f"non-private reference, {OUTSIDE}: candidate {reference['candidate']}, "
+            f"validation {reference['validation_score']:.4f}; test: {test}"
+        )
+    print(f"tuning directory: {result.out_dir}\nreport:           {result.out_dir / TUNE_MD}")
+    if result.chosen is None:
+        why = result.stopped or "every trial failed (see tune.md)"
+        print(f"FAILED: no trial finished: {why}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,281 @@
+"""Issue 53: ``gep-fed tune``, private selection among declared candidates under one total
+budget that every site's ledger records and enforces."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from gep_fed.accounting.events import ImpossibleTargetError, epsilon_rdp
+from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.tuning import (
+    OUTSIDE,
+    TuneConfig,
+    _Planner,
+    calibrate_trial_epsilon,
+    candidates_from_toml,
+    tune,
+)
+from gep_fed.flower import simulation
+from gep_fed.flower.simulation import SimulationResult
+from gep_fed.validation import ConfigError
+
+TASK = "tune_task:ValidatedDigits"  # tests/tune_task.py: digits with a validation split
+# q = 1 keeps each trial's calibration fast (no subsampling to account).
+BASE = dict(task=TASK, num_public=100, num_basis=8, rounds=2, local_steps=2, sample_rate=1.0)
+
+
+def base(**settings) -> FederationConfig:
+    return FederationConfig(**{**BASE, **settings})
+
+
+def test_the_trials_compose_to_just_below_the_total_budget():
+    config = TuneConfig(
+        base(),
+        [{"server-lr": 0.5}, {"server_lr": 2.0, "rounds": 3}, {"local-steps": 1}],
+        trials=5,
+        target_epsilon=2.0,
+        delta=1e-5,
+    )
+    plan = config.plan(random.Random(3))
+    assert len(plan) == 5 and set(plan) <= {0, 1, 2}
+    epsilon, composed = calibrate_trial_epsilon(config, plan)
+    planner = _Planner(config)
+    events = [e for i in plan for e in planner.trial(i, epsilon)[1]]
+    assert epsilon_rdp(events, 1e-5) == pytest.approx(composed)
+    assert 2.0 - 1e-3 <= composed <= 2.0
+    # each trial spends its own budget e over its own steps: one trial alone is within e
+    for i in set(plan):
+        assert epsilon_rdp(planner.trial(i, epsilon)[1], 1e-5) <= epsilon + 1e-9
+    # every candidate once, in the declared order, when T is their number
+    assert TuneConfig(base(), [{}, {"server-lr": 2.0}]).plan() == (0, 1)
+
+
+def test_a_budget_too_small_for_the_trials_is_refused_with_what_to_change():
+    config = TuneConfig(base(rounds=50), [{}, {"server-lr": 2.0}], trials=40, target_epsilon=0.01)
+    with pytest.raises(ImpossibleTargetError, match="Raise the total or run fewer trials"):
+        calibrate_trial_epsilon(config, config.plan(random.Random(0)))
+
+
+@pytest.mark.parametrize(
+    ("candidates", "message"),
+    [
+        ([{"server-lr": 1.0}, {"server-lrr": 2.0}], "candidate 2: unknown setting 'server-lrr'"),
+        ([{"clip-norm": -1.0}], "candidate 1: .*clip_norm"),
+        ([{}, {"mechanism": "sgd"}], "candidate 2: mechanism must be one of"),
+        ([{"seed": 3}], "candidate 1: 'seed' cannot differ between candidates"),
+        ([{"target-epsilon": 3.0}], "candidate 1: 'target-epsilon' cannot differ"),
+        ([{"server-lr": 1.0, "server_lr": 2.0}], "candidate 1: 'server_lr' is given twice"),
+        ([{"mechanism": "langevin", "model": "linear"}], "candidate 1: tune does not run langevin"),
+        ([], "at least one candidate"),
+    ],
+)
+def test_a_bad_candidate_is_named(candidates, message):
+    with pytest.raises(ConfigError, match=message):
+        TuneConfig(base(), candidates)
+
+
+def test_a_fixed_sigma_or_an_unknown_site_setting_is_refused():
+    with pytest.raises(ConfigError, match="leave noise-multiplier at auto"):
+        TuneConfig(base(noise_multiplier=1.0), [{}])
+    with pytest.raises(ConfigError, match="site setting 'budget'"):
+        TuneConfig(base(), [{}], site_settings={"budget": 1.0})
+
+
+def test_a_task_without_validation_data_is_refused(tmp_path):
+    config = TuneConfig(FederationConfig(num_public=100), [{}], out_dir=str(tmp_path / "t"))
+    with pytest.raises(ConfigError, match="tune never selects on the test split"):
+        tune(config)
+    assert not (tmp_path / "t").exists()
+
+
+def canned_simulate(scores: dict[float, float], calls: list):
+    """A stand-in for ``simulate``: validation scores by server_lr, a test score that would
+    pick another candidate (it must never be used to choose)."""
+
+    def fake(fed, progress=True, site_settings=None, **options):
+        calls.append((fed, site_settings))
+        run = RunDirectory(fed.run_directory(""))
+        run.path.mkdir(parents=True)
+        val = scores[fed.server_lr]
+        rows = []
+        for r in range(1, fed.rounds + 1):
+            row = {"round": r, "applied": True, "sites_ok": fed.num_sites}
+            row.update(val_balanced_accuracy=val * r / fed.rounds, val_accuracy=0.99)
+            row.update(test_accuracy=1 - val, test_balanced_accuracy=1 - val + r / 100)
+            run.append_metrics(row)
+            rows.append(row)
+        run.file("best_model.pt").write_bytes(b"model")
+        return SimulationResult(run.path, rows, None, 0.0, {})
+
+    return fake
+
+
+def test_tune_chooses_the_best_validation_score_and_reports_every_trial(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        simulation, "simulate", canned_simulate({0.5: 0.6, 2.0: 0.8, 4.0: 0.7}, calls)
+    )
+    config = TuneConfig(
+        base(),
+        [{"server-lr": 0.5}, {"server-lr": 2.0}, {"server-lr": 4.0}],
+        trials=4,
+        target_epsilon=3.0,
+        reference=True,
+        out_dir=str(tmp_path / "tune"),
+    )
+    lines = []
+    result = tune(config, rng=random.Random(5), log=lines.append)
+    plan = config.plan(random.Random(5))
+    assert result.plan == tuple(i + 1 for i in plan)
+    assert [t.candidate for t in result.trials] == list(result.plan)
+    assert all(t.status == "finished" for t in result.trials)
+    best = max(result.trials, key=lambda t: (t.validation_score, -t.trial))
+    assert result.chosen == best and result.chosen.best_round == 2
+    assert (
+        result.chosen.validation_score
+        == {0.5: 0.6, 2.0: 0.8, 4.0: 0.7}[result.chosen.settings["server_lr"]]
+    )
+    assert result.model_path == Path(result.chosen.run_dir) / "best_model.pt"
+    # the chosen run's test metrics at its best round, and only the chosen one's
+    assert result.test_metrics["balanced_accuracy"] == pytest.approx(
+        1 - result.chosen.validation_score + 0.02
+    )
+    # every trial ran at the calibrated budget, with the sites' ledgers in one folder
+    trial_calls = [c for c in calls if c[1] is not None]
+    assert len(trial_calls) == 4
+    for fed, sites in trial_calls:
+        assert fed.target_epsilon == pytest.approx(result.per_trial_epsilon)
+        assert sites["ledger-dir"] == str(tmp_path / "tune" / "sites")
+        assert sites["epsilon-budget"] == 3.0 and sites["delta"] == 1e-5
+    assert 3.0 - 1e-3 <= result.planned_epsilon_rdp <= 3.0
+    # the reference: every candidate once at the whole budget, own ledgers, labelled
+    reference_calls = [c for c in calls if c[1] is None]
+    assert [c[0].target_epsilon for c in reference_calls] == [3.0, 3.0, 3.0]
+    assert result.reference["label"] == OUTSIDE and result.reference["chosen"]["candidate"] == 2
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["finished"] * 4
+    assert saved["chosen"]["candidate"] == result.chosen.candidate
+    assert not [k for t in saved["trials"] for k in t if "test" in k]  # no test figures
+    text = (tmp_path / "tune" / "tune.md").read_text()
+    assert "**Chosen**: trial" in text and f"## Non-private reference ({OUTSIDE})" in text
+    assert len([x for x in lines if x.startswith("trial ")]) == 4
+    with pytest.raises(ConfigError, match="holds an earlier tuning"):
+        tune(config)
+
+
+def test_a_candidates_file_names_its_bad_tables(tmp_path):
+    good = tmp_path / "c.toml"
+    good.write_text(
+        '[base]\nrounds = 2\n\n[[candidate]]\nserver-lr = 2\n\n[[candidate]]\nmodel = "mlp"\n'
+    )
+    assert candidates_from_toml(good) == ({"rounds": 2}, [{"server-lr": 2}, {"model": "mlp"}])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[candidates]]\nserver-lr = 2\n")
+    with pytest.raises(ConfigError, match=r"unknown table\(s\) \['candidates'\]"):
+        candidates_from_toml(bad)
+    bad.write_text("[base]\nrounds = 2\n")
+    with pytest.raises(ConfigError, match=r"declares no \[\[candidate\]\] table"):
+        candidates_from_toml(bad)
+    bad.write_text("[[candidate]\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        candidates_from_toml(bad)
+
+
+@pytest.mark.slow
+def test_a_site_refuses_a_trial_beyond_its_budget_mid_search_and_its_ledger_is_intact(tmp_path):
+    """Real simulations (two sites, one round a trial): each site's budget fits one trial,
+    not two, so both refuse the second trial; the search stops there, the third never
+    runs, and each ledger holds exactly the first trial's releases."""
+    fed = base(num_sites=2, rounds=1, noise_seed=3)
+    config = TuneConfig(
+        fed,
+        [{"server-lr": 0.5}, {"server-lr": 1.0}, {"server-lr": 2.0}],
+        target_epsilon=3.0,
+        out_dir=str(tmp_path / "tune"),
+    )
+    epsilon, _ = calibrate_trial_epsilon(config, config.plan())
+    planner = _Planner(config)
+    one = planner.trial(0, epsilon)[1]
+    budget = (epsilon_rdp(one, 1e-5) + epsilon_rdp(one * 2, 1e-5)) / 2
+    config = TuneConfig(
+        fed,
+        config.candidates,
+        target_epsilon=3.0,
+        out_dir=str(tmp_path / "tune"),
+        site_settings={"epsilon-budget": budget},
+    )
+    result = tune(config, simulate_options={"engine": "in-process"})
+    assert [t.status for t in result.trials] == ["finished", "refused"]
+    refused = result.trials[1]
+    assert refused.refused_by == {
+        "site-0": "over budget in round(s) 1",
+        "site-1": "over budget in round(s) 1",
+    }
+    assert "trial 2 (candidate 2) refused by site-0" in result.stopped
+    assert result.chosen.trial == 1 and result.model_path.exists()
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        assert ledger.steps == sum(e.steps for e in one) == 2
+        assert ledger.epsilon() == pytest.approx(epsilon_rdp(one, 1e-5))
+        assert ledger.budget_epsilon == pytest.approx(budget)
+        assert result.site_epsilons[site]["steps"] == 2
+    assert result.epsilon_rdp == pytest.approx(epsilon_rdp(one, 1e-5))
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["finished", "refused"]
+    assert "**Stopped early**: trial 2" in (tmp_path / "tune" / "tune.md").read_text()
+
+
+def test_the_command_line_tunes_from_a_candidates_file(tmp_path, monkeypatch, capsys):
+    from gep_fed.cli.main import main
+
+    calls = []
+    monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
+    path = tmp_path / "candidates.toml"
+    path.write_text(
+        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nlocal-steps = 2\n"
+        "sample-rate = 1.0\n\n[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nserver_lr = 3\n"
+    )
+    out = tmp_path / "tune"
+    args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "2", "--out"]
+    assert main([*args, str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "trial 1/2: candidate 1 (server-lr=1)" in printed
+    assert "chosen: trial 2, candidate 2 (server-lr=3)" in printed
+    assert f"report:           {out / 'tune.md'}" in printed
+    assert [c[0].server_lr for c in calls] == [1.0, 3.0]  # ints read as the float fields
+    # a bad candidate names its index; a failure is one line and a non-zero exit
+    path.write_text("[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nclip-norm = -1\n")
+    assert main([*args, str(tmp_path / "t2")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("gep-fed tune: error: candidate 2: ") and "clip_norm" in line
+    path.write_text("[base]\nrounds = 0\n[[candidate]]\nserver-lr = 1\n")
+    assert main([*args, str(tmp_path / "t3")]) == 2
+    assert "[base]: rounds" in capsys.readouterr().err
+
+
+def test_the_command_line_fails_when_no_trial_finished(tmp_path, monkeypatch, capsys):
+    from gep_fed.cli.main import main
+
+    def failing(fed, progress=True, site_settings=None, **options):
+        run = RunDirectory(fed.run_directory(""))
+        run.path.mkdir(parents=True)
+        rows = [{"round": 1, "applied": False, "sites_ok": 0, "val_accuracy": 0.1}]
+        return SimulationResult(run.path, rows, None, 0.0, {})
+
+    monkeypatch.setattr(simulation, "simulate", failing)
+    path = tmp_path / "candidates.toml"
+    path.write_text("[base]\nnum-public = 100\nrounds = 1\nsample-rate = 1.0\n[[candidate]]\n")
+    args = ["tune", "--task", TASK, "--candidates", str(path), "--out", str(tmp_path / "t")]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["FAILED: no trial finished: every trial failed (see tune.md)"]
+    assert (
+        "failed: the model was not updated in round(s) 1"
+        in (tmp_path / "t" / "tune.md").read_text()
+    )
