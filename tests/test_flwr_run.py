@@ -64,12 +64,9 @@ def test_every_dependency_is_left_out_of_flowers_runtime_installation():
     assert names == set(config["tool"]["uv"]["exclude-dependencies"])
 
 
-def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
-    """The README's `flwr run` command, as written (a short run config appended), with no
-    package index reachable and an empty uv cache: Flower starts its own local SuperLink
-    (with runtime installation on, its default), installs nothing, and the ServerApp prints
-    the summary `gep-fed simulate` prints and writes report.md; the README's command to stop
-    that SuperLink matches it."""
+def readme_flwr_run(tmp_path: Path) -> tuple[str, str, int, dict]:
+    """The README, its `flwr run` command, the local SuperLink's port, and an environment
+    where no package index is reachable, uv's cache is empty and Flower's home is new."""
     readme = (ROOT / "README.md").read_text()
     (command,) = re.findall(r"^(PATH=\S+ flwr run \. .*)$", readme, flags=re.M)
     port = free_port()
@@ -86,6 +83,16 @@ def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
         UV_CACHE_DIR=str(tmp_path / "uv-cache"),
         RAY_USAGE_STATS_ENABLED="0",
     )
+    return readme, command, port, env
+
+
+def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
+    """The README's `flwr run` command, as written (a short run config appended), with no
+    package index reachable and an empty uv cache: Flower starts its own local SuperLink
+    (with runtime installation on, its default), installs nothing, and the ServerApp prints
+    the summary `gep-fed simulate` prints and writes report.md; the README's command to stop
+    that SuperLink matches it."""
+    readme, command, port, env = readme_flwr_run(tmp_path)
     runs = tmp_path / "runs"
     short = f" --run-config \"rounds=2 local-steps=2 run-dir='{runs}' run-name='r'\""
     began = time.monotonic()
@@ -113,3 +120,59 @@ def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
     for name in ("report.md", "accuracy.png", "epsilon.png"):
         assert (runs / "r" / name).exists(), name
     print(f"README flwr run, offline: {time.monotonic() - began:.1f} s")
+
+
+def test_flwr_stop_ends_a_run_between_rounds_and_it_resumes_from_there(tmp_path):
+    """Ctrl-C in `flwr run --stream` leaves the stream at once and the run goes on, as the
+    README says; `flwr stop` then ends it between rounds (Flower's exit handlers ask the
+    ServerApp to stop): the run directory says after which round, and its checkpoint holds
+    exactly the rounds it recorded."""
+    import json
+    import signal
+
+    import torch
+
+    _, command, port, env = readme_flwr_run(tmp_path)
+    runs = tmp_path / "runs"
+    longer = f" --run-config \"rounds=50 local-steps=1 run-dir='{runs}' run-name='r'\""
+    flwr = f"PATH={BIN}:$PATH flwr"
+    metrics = runs / "r" / "metrics.jsonl"
+    try:
+        stream = subprocess.Popen(
+            ["bash", "-c", command + longer],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert stream.poll() is None, stream.communicate()[0][-3000:]
+            time.sleep(0.5)
+        os.killpg(stream.pid, signal.SIGINT)  # Ctrl-C
+        out = stream.communicate(timeout=30)[0]
+        assert "Traceback" not in out, out[-3000:]
+
+        def runs_listed() -> list[dict]:
+            listed = subprocess.run(
+                ["bash", "-c", f"{flwr} ls --format json"], env=env, capture_output=True, text=True
+            )
+            return json.loads(listed.stdout)["runs"]
+
+        (running,) = runs_listed()
+        assert running["status"] == "running"
+        subprocess.run(["bash", "-c", f"{flwr} stop {running['run-id']}"], env=env, check=True)
+        outcome = runs / "r" / "outcome.json"
+        deadline = time.monotonic() + 60
+        while not outcome.exists() or runs_listed()[0]["status"] == "running":
+            assert time.monotonic() < deadline, "the ServerApp did not stop"
+            time.sleep(0.5)
+        (stopped,) = runs_listed()
+    finally:
+        stop_local_superlinks(port)
+    assert stopped["status"] == "finished:stopped"
+    line = json.loads(outcome.read_text())["interrupted"]
+    done = torch.load(runs / "r" / "checkpoint.pt", weights_only=True)["round"]
+    assert line == f"interrupted after round {done}: rerun the same command to resume"
+    assert done == len(metrics.read_text().splitlines()) < 50
