@@ -92,3 +92,10 @@ class AugmentedDigits(DigitsTask):
 
     def augmentation(self):
         return logged_crop_and_flip
+
+
+class BrokenEvaluation(DigitsTask):
+    """A task whose evaluation data fails inside its own code."""
+
+    def eval_dataset(self):
+        raise TypeError("broken inside")

@@ -284,3 +284,10 @@ def test_cifar10_augments_pixels_and_not_precomputed_scatternet_features(model, 
 
     augmentation = Cifar10Task(TaskSettings(model=model)).augmentation()
     assert (augmentation is crop_and_flip) if augmented else augmentation is None
+
+
+def test_an_error_inside_the_tasks_evaluation_data_is_not_blamed_on_its_absence():
+    from gep_fed.flower.simulation import check_simulated_sites
+
+    with pytest.raises(ConfigError, match=r"eval_dataset\(\) failed: TypeError: broken inside"):
+        check_simulated_sites(FederationConfig(task="example_task:BrokenEvaluation"))

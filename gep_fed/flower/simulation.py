@@ -119,10 +119,17 @@ def check_simulated_sites(
     model = task.build_model()
     validate_model(model)
     for part in ("eval_dataset", "public_dataset"):
+        method = getattr(task, part, None)
+        if not callable(method):
+            raise ConfigError(f"task {fed.task!r}: {part}() is needed: it is {method!r}")
         try:
-            getattr(task, part)()
-        except (NotImplementedError, TypeError) as err:
+            method()
+        except NotImplementedError as err:
             raise ConfigError(f"task {fed.task!r}: {part}() is needed: {err}") from None
+        except TypeError as err:  # raised inside the task's own code: say where
+            raise ConfigError(
+                f"task {fed.task!r}: {part}() failed: {type(err).__name__}: {err}"
+            ) from None
     if site_data:
         datasets = {}
         for name, path in site_data.items():
