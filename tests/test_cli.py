@@ -180,7 +180,7 @@ def test_a_round_played_again_on_resume_is_reported_by_its_latest_attempt():
     """An unapplied round is not checkpointed, so a resumed run plays it again and the
     metrics hold both attempts: the summary, the report and the failure check read the
     later one, and an earlier round without update still fails the run."""
-    from gep_fed.cli.report import best_model_line, replies_line
+    from gep_fed.federation.report import best_model_line, replies_line
     from gep_fed.federation.rundir import rounds_not_applied
 
     def row(round_, applied, accuracy):
@@ -319,7 +319,7 @@ def _round(n, rounds):
 
 
 def test_a_long_runs_report_shows_one_round_in_n_and_says_where_every_round_is(tmp_path):
-    from gep_fed.cli.report import MAX_TABLE_ROWS, render_report
+    from gep_fed.federation.report import MAX_TABLE_ROWS, render_report
 
     rows = [_round(n, 100) for n in range(1, 101)]
     report = render_report(_run_directory(tmp_path / "r", rows)).read_text()
@@ -332,7 +332,7 @@ def test_a_long_runs_report_shows_one_round_in_n_and_says_where_every_round_is(t
 
 
 def test_the_reports_headline_names_how_the_sites_got_their_data(tmp_path):
-    from gep_fed.cli.report import render_report
+    from gep_fed.federation.report import render_report
 
     def headline(name, config=None, **files):
         path = _run_directory(tmp_path / name, [_round(1, 1)], config, **files)
@@ -346,7 +346,7 @@ def test_the_reports_headline_names_how_the_sites_got_their_data(tmp_path):
 
 
 def test_the_epsilon_and_projection_plots_have_captions_saying_what_they_mean(tmp_path):
-    from gep_fed.cli.report import render_report
+    from gep_fed.federation.report import render_report
 
     rows = [{**_round(n, 3), "anchor_projection_error": 0.3} for n in range(1, 4)]
     report = render_report(_run_directory(tmp_path / "r", rows)).read_text()
@@ -356,8 +356,7 @@ def test_the_epsilon_and_projection_plots_have_captions_saying_what_they_mean(tm
 
 
 def test_a_run_refused_before_round_1_has_a_report_saying_so_and_no_nan(tmp_path):
-    from gep_fed.cli.report import render_report
-    from gep_fed.cli.summary import summary_lines
+    from gep_fed.federation.report import render_report, summary_lines
 
     reason = "10 more step(s) would bring epsilon to 84 > budget 0.5"
     outcome = {"stop_reason": f"stopped before round 1: {reason}", "interrupted": None}

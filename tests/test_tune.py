@@ -13,7 +13,9 @@ from gep_fed.accounting.events import ImpossibleTargetError, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
-from gep_fed.federation.tuning import (
+from gep_fed.flower import simulation
+from gep_fed.flower.simulation import SimulationResult
+from gep_fed.flower.tuning import (
     OUTSIDE,
     TuneConfig,
     _Planner,
@@ -21,8 +23,6 @@ from gep_fed.federation.tuning import (
     candidates_from_toml,
     tune,
 )
-from gep_fed.flower import simulation
-from gep_fed.flower.simulation import SimulationResult
 from gep_fed.validation import ConfigError
 
 TASK = "tune_task:ValidatedDigits"  # tests/tune_task.py: digits with a validation split

@@ -145,8 +145,7 @@ def _quiet_logs() -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from gep_fed.cli.report import render_report
-    from gep_fed.cli.summary import summary_lines
+    from gep_fed.federation.report import render_report, summary_lines
     from gep_fed.flower.simulation import simulate
 
     if args.show_settings:
@@ -194,7 +193,7 @@ def _site_data(pairs: list[str] | None) -> dict[str, str] | None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from gep_fed.cli.report import render_report
+    from gep_fed.federation.report import render_report
 
     print(render_report(args.run_dir))
     return 0

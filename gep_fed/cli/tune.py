@@ -1,4 +1,4 @@
-"""``gep-fed tune``: choose among declared settings privately (``gep_fed.federation.tuning``)."""
+"""``gep-fed tune``: choose among declared settings privately (``gep_fed.flower.tuning``)."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def _number(value: float | None) -> str:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from gep_fed.federation.tuning import OUTSIDE, TUNE_MD, TuneConfig, candidates_from_toml, tune
+    from gep_fed.flower.tuning import OUTSIDE, TUNE_MD, TuneConfig, candidates_from_toml, tune
 
     table, candidates = candidates_from_toml(args.candidates)
     config = TuneConfig(

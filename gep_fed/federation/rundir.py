@@ -22,6 +22,13 @@ CHECKPOINT = "checkpoint.pt"
 MODEL = "model.pt"
 BEST_MODEL = "best_model.pt"  # the best round on the task's validation set, if it has one
 REPORT = "report.md"
+# How the run ended, beside its metrics (a run refused before round 1 has only this).
+OUTCOME = "outcome.json"
+# How a simulation's sites got their data: ``{"site-data": {name: path}}`` (``--site-data``)
+# or ``{"shares": partition}`` (shares of the task's pooled data).
+SITES = "sites.json"
+# A simulated site's rounds and their outcomes, in its folder (``sites/<site>/``).
+SITE_ROUNDS = "rounds.jsonl"
 
 
 class RunDirectoryError(ValueError):
@@ -139,3 +146,28 @@ class RunDirectory:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:
             raise RunDirectoryError(f"checkpoint {path} cannot be read: {err}") from err
+
+
+def site_line(rows: list[dict]) -> str:
+    """A site's refusals in one line: rounds, reason and cause, the most frequent first."""
+    refused = {}
+    for r in rows:
+        if r["outcome"] != "accepted":
+            key = (r["outcome"], r.get("cause") or "")
+            refused.setdefault(key, []).append(r["round"])
+    if not refused:
+        return f"accepted in {len(rows)} round(s)"
+    parts = []
+    for (reason, cause), rounds in sorted(refused.items(), key=lambda kv: -len(kv[1])):
+        parts.append(f"round(s) {round_spans(rounds)}: {reason}" + (f": {cause}" if cause else ""))
+    accepted = len(rows) - sum(len(v) for v in refused.values())
+    return "; ".join(parts) + (f"; accepted in {accepted} round(s)" if accepted else "")
+
+
+def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
+    """Every simulated site's rounds, from its folder of the run directory."""
+    out = {}
+    for path in sorted((Path(run_dir) / "sites").glob(f"*/{SITE_ROUNDS}")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out[path.parent.name] = sorted(rows, key=lambda r: r.get("round") or 0)
+    return out

@@ -66,7 +66,7 @@ class RoundPlan:
     anchor_projection_error: float | None
 
 
-def _validation_score(validation: Mapping[str, float]) -> float | None:
+def validation_score(validation: Mapping[str, float]) -> float | None:
     """What the best model is chosen by: balanced accuracy, else accuracy (None: neither)."""
     score = validation.get("balanced_accuracy", validation.get("accuracy"))
     return float(score) if score is not None and math.isfinite(score) else None
@@ -346,7 +346,7 @@ class FederationServer:
     def keep_if_best(self, round_: int, validation: Mapping[str, float]) -> bool:
         """Save the model as ``best_model.pt`` if this round's validation score (balanced
         accuracy, else accuracy) beats every earlier round's; returns whether it did."""
-        score = _validation_score(validation)
+        score = validation_score(validation)
         if score is None:
             return False
         if self.best is not None and score <= self.best[1]:
@@ -421,5 +421,5 @@ class FederationServer:
         self.completed_rounds = int(ckpt["round"])
         best = self.run.load_torch(BEST_MODEL)
         if best is not None and int(best["round"]) <= self.completed_rounds:
-            self.best = (int(best["round"]), _validation_score(best["validation"]))
+            self.best = (int(best["round"]), validation_score(best["validation"]))
         return self.completed_rounds

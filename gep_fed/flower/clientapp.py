@@ -42,6 +42,7 @@ from gep_fed.accounting.ledger import (
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig, simulated_site_name
+from gep_fed.federation.rundir import SITE_ROUNDS
 from gep_fed.federation.secure_sum import (
     SecureSumRefused,
     SignedKey,
@@ -70,8 +71,6 @@ LAST_ROUND_KEY = "last-round"
 # A distributed round's agreement key, from the advertise stage to the collect stage.
 AGREEMENT_KEY = "secure-sum-agreement"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
-# A simulated site's rounds and their outcomes, in its folder of the run directory.
-SITE_ROUNDS = "rounds.jsonl"
 
 
 def _arrays(values: dict) -> ArrayRecord:

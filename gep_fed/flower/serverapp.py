@@ -11,15 +11,17 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import CHECKPOINT, RunDirectory, rounds_not_applied
+from gep_fed.federation.rundir import (
+    CHECKPOINT,
+    OUTCOME,
+    RunDirectory,
+    read_site_rounds,
+    rounds_not_applied,
+)
 from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
 from gep_fed.flower.strategy import GEPStrategy
 
 log = logging.getLogger("gep_fed.server")
-
-# How the run ended, beside its metrics: read by ``gep-fed report`` (a run refused before
-# round 1 has no metrics, only this).
-OUTCOME = "outcome.json"
 
 
 class RunFailedError(RuntimeError):
@@ -160,9 +162,7 @@ def _record_outcome(strategy: GEPStrategy, interrupted: RunInterrupted | None) -
 
 def _print_result(config: FederationConfig, strategy: GEPStrategy, wall: float) -> None:
     """``flwr run``'s end: the summary ``gep-fed simulate`` prints, ``report.md``."""
-    from gep_fed.cli.report import render_report
-    from gep_fed.cli.summary import summary_lines
-    from gep_fed.flower.simulation import read_site_rounds
+    from gep_fed.federation.report import render_report, summary_lines
 
     run = strategy.server.run
     report = render_report(run.path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -22,15 +21,17 @@ from gep_fed.federation.policy import (
     DEFAULT_MAX_AUGMENTATION_COPIES,
     DEFAULT_MAX_LOCAL_STEPS,
 )
-from gep_fed.federation.rundir import RunDirectory, round_spans, rounds_not_applied
+from gep_fed.federation.rundir import (
+    SITES,
+    RunDirectory,
+    read_site_rounds,
+    rounds_not_applied,
+    site_line,
+)
 from gep_fed.federation.site import pooled_shares
 from gep_fed.flower.interrupt import RunInterrupted, StopRequest
 from gep_fed.mechanisms.per_example import validate_model
 from gep_fed.validation import ConfigError
-
-# How a simulation's sites got their data: ``{"site-data": {name: path}}`` (``--site-data``)
-# or ``{"shares": partition}`` (shares of the task's pooled data).
-SITES = "sites.json"
 
 
 @dataclass(frozen=True)
@@ -67,33 +68,6 @@ def _site_check_text(bad: Mapping[str, list[str]], shown: int = 10) -> str:
         if len(found) > shown:
             lines[-1] += f"; ... {len(found) - shown} more"
     return "\n".join(lines)
-
-
-def site_line(rows: list[dict]) -> str:
-    """A site's refusals in one line: rounds, reason and cause, the most frequent first."""
-    refused = {}
-    for r in rows:
-        if r["outcome"] != "accepted":
-            key = (r["outcome"], r.get("cause") or "")
-            refused.setdefault(key, []).append(r["round"])
-    if not refused:
-        return f"accepted in {len(rows)} round(s)"
-    parts = []
-    for (reason, cause), rounds in sorted(refused.items(), key=lambda kv: -len(kv[1])):
-        parts.append(f"round(s) {round_spans(rounds)}: {reason}" + (f": {cause}" if cause else ""))
-    accepted = len(rows) - sum(len(v) for v in refused.values())
-    return "; ".join(parts) + (f"; accepted in {accepted} round(s)" if accepted else "")
-
-
-def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
-    """Every simulated site's rounds, from its folder of the run directory."""
-    from gep_fed.flower.clientapp import SITE_ROUNDS
-
-    out = {}
-    for path in sorted((Path(run_dir) / "sites").glob(f"*/{SITE_ROUNDS}")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        out[path.parent.name] = sorted(rows, key=lambda r: r.get("round") or 0)
-    return out
 
 
 # Where the simulated sites run: Flower's Simulation Engine, or this process (in_process).

@@ -42,8 +42,14 @@ from pathlib import Path
 from gep_fed.accounting.events import ImpossibleTargetError, PrivacyEvent, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import BEST_MODEL, MODEL, round_spans, rounds_not_applied
-from gep_fed.federation.server import _validation_score
+from gep_fed.federation.rundir import (
+    BEST_MODEL,
+    MODEL,
+    SITE_ROUNDS,
+    round_spans,
+    rounds_not_applied,
+)
+from gep_fed.federation.server import validation_score
 from gep_fed.files import write_bytes_atomically
 from gep_fed.validation import DELTA, POSITIVE, ConfigError
 
@@ -436,7 +442,6 @@ def candidates_from_toml(path: str | Path) -> tuple[dict[str, object], list[dict
 
 def _site_rows(folder: Path) -> dict[str, int]:
     """How many round rows each simulated site of ``folder`` has written so far."""
-    from gep_fed.flower.clientapp import SITE_ROUNDS
 
     return {
         p.parent.name: len([line for line in p.read_text().splitlines() if line.strip()])
@@ -445,7 +450,6 @@ def _site_rows(folder: Path) -> dict[str, int]:
 
 
 def _rows_since(folder: Path, before: Mapping[str, int]) -> dict[str, list[dict]]:
-    from gep_fed.flower.clientapp import SITE_ROUNDS
 
     out = {}
     for path in sorted(folder.glob(f"*/{SITE_ROUNDS}")):
@@ -459,7 +463,7 @@ def _best(metrics: Sequence[Mapping]) -> tuple[float | None, int | None]:
     ``FederationServer.keep_if_best`` keeps its model: balanced accuracy, else accuracy."""
     best: tuple[float | None, int | None] = (None, None)
     for row in metrics:
-        score = _validation_score({k[4:]: v for k, v in row.items() if k.startswith("val_")})
+        score = validation_score({k[4:]: v for k, v in row.items() if k.startswith("val_")})
         if score is not None and (best[0] is None or score > best[0]):
             best = (score, row["round"])
     return best
