@@ -370,6 +370,18 @@ def test_a_model_that_mixes_examples_is_differentiated_one_example_at_a_time():
     torch.testing.assert_close(got, alone)
 
 
+def each_example_alone(model, x, y, layout) -> torch.Tensor:
+    """Every example's gradient computed in a batch of its own (no mixing possible)."""
+    return torch.cat(
+        [
+            per_example_gradients(
+                model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
+            )
+            for i in range(len(x))
+        ]
+    )
+
+
 @pytest.mark.parametrize("mixing", [ReadsThePreviousExample, OnlyTheThirdReadsTheSecond])
 def test_a_model_that_mixes_only_later_examples_of_a_batch_is_caught(mixing):
     """Example 0's output is its own in both models: the probe compares every example of
@@ -381,15 +393,7 @@ def test_a_model_that_mixes_only_later_examples_of_a_batch_is_caught(mixing):
         check_examples_kept_apart(model, x)
     with pytest.warns(UserWarning, match=r"depends on the other examples of its batch"):
         got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
-    alone = torch.cat(
-        [
-            per_example_gradients(
-                model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
-            )
-            for i in range(len(x))
-        ]
-    )
-    torch.testing.assert_close(got, alone)
+    torch.testing.assert_close(got, each_example_alone(model, x, y, layout))
 
 
 def test_weights_that_switch_mixing_on_after_the_probe_are_caught():
@@ -403,15 +407,7 @@ def test_weights_that_switch_mixing_on_after_the_probe_are_caught():
     model.load_state_dict(state)  # the next round's weights, as a site loads them
     with pytest.warns(UserWarning, match=r"depends on the other examples of its batch"):
         got = per_example_gradients(model, F.cross_entropy, x, y, layout, 4, "layers")
-    alone = torch.cat(
-        [
-            per_example_gradients(
-                model, F.cross_entropy, x[i : i + 1], y[i : i + 1], layout, 1, "vmap"
-            )
-            for i in range(len(x))
-        ]
-    )
-    torch.testing.assert_close(got, alone)
+    torch.testing.assert_close(got, each_example_alone(model, x, y, layout))
 
 
 def test_dropout_does_not_send_a_model_to_torch_func():
