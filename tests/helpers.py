@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from gep_fed.flower.in_process import InProcessGrid
 from gep_fed.mechanisms.groups import ParameterGroup, ParameterLayout
 from gep_fed.mechanisms.subspace import AnchorSubspace
 
@@ -109,3 +110,46 @@ def stop_local_superlinks(port: int) -> dict[int, str]:
                 continue
             stopped[pid] = " ".join(words).strip()
     return stopped
+
+
+class LocalGrid(InProcessGrid):
+    """The in-process engine's Grid (every site's real ClientApp, called in this process) for
+    ``fed``'s simulated sites, with a test's hooks: ``silent(round, node, stage)`` True drops
+    that message (the site never answers it); ``tamper(node, stage, content)`` rewrites a
+    message's content before the site gets it (a deviating server). ``settings``: the
+    simulated sites' own settings (default: the simulation's). Every message delivered is
+    kept in ``sent`` (node, secure-sum stage, message), every reply in ``received``."""
+
+    def __init__(self, fed, silent=None, tamper=None, settings=None) -> None:
+        from flwr.supercore.run import Run
+        from flwr.supercore.task_identity import TaskIdentity
+
+        from gep_fed.flower.clientapp import make_client_app
+        from gep_fed.flower.in_process import site_contexts
+        from gep_fed.flower.simulation import simulated_site_settings
+
+        run_id = TaskIdentity.run_id
+        app = make_client_app(fed, settings or simulated_site_settings(fed))
+        super().__init__(app, site_contexts(fed.num_sites, run_id), Run.create_empty(run_id))
+        self.silent = silent or (lambda rnd, node, stage: False)
+        self.tamper = tamper
+        self.received, self.sent, self.stages = [], [], []
+
+    def _answer(self, msg, node):
+        from gep_fed.flower.secure_sum import SECURE_SUM
+
+        stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
+        rnd = int(msg.metadata.group_id or 0)
+        self.stages.append((rnd, stage))
+        if self.silent(rnd, node, stage):
+            return None
+        if self.tamper is not None:
+            self.tamper(node, stage, msg.content)
+        self.sent.append((node, stage, msg))
+        reply = super()._answer(msg, node)
+        self.received.append(reply)
+        return reply
+
+    def app(self, msg, context):
+        """The sites' ClientApp, called directly (a message sent again)."""
+        return self.client_app(msg, context)

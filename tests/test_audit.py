@@ -117,6 +117,7 @@ def test_a_distributed_run_audits_below_its_claim(mechanism):
 
 
 @pytest.mark.slow
+@pytest.mark.audit
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize(
@@ -139,6 +140,7 @@ def test_a_broken_variant_is_caught_above_its_claim(variant, mode, epsilon):
     assert "gaussian-fit" in leaky.caught_by, leaky
 
 
+@pytest.mark.audit
 @pytest.mark.parametrize(
     "setup, broken",
     [
@@ -196,6 +198,7 @@ def test_gep_fed_audit_prints_the_claim_and_the_bound_and_writes_them(tmp_path):
     assert "## Privacy audit" in (run / "report.md").read_text()
 
 
+@pytest.mark.audit
 def test_distributed_shares_with_half_their_noise_are_caught(monkeypatch):
     """Each site's discrete Gaussian share at half its scale (the sum then carries a quarter
     of the variance the ledger claims): the Gaussian fit of the canaries exceeds the claim."""

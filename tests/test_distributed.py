@@ -1,7 +1,7 @@
 """Distributed mode: the sites' quantised noise shares, summed by the secure sum
 (``gep_fed.federation.secure_sum``: pairwise masks, signed keys, no dropout recovery).
 
-The federation runs here in one process: ``LocalGrid`` hands every message of the real
+The federation runs here in one process: ``helpers.LocalGrid`` hands every message of the real
 ``GEPStrategy`` to the real ClientApp of each site, without the transport, so that a test sees
 every reply the server receives, can make a site fall silent at any stage, and can play a
 server that deviates (``tamper`` rewrites a message before a site gets it).
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.app import Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
@@ -35,7 +35,6 @@ from gep_fed.federation.secure_sum import (
     pairwise_key,
 )
 from gep_fed.federation.server import FederationServer
-from gep_fed.flower.clientapp import make_client_app
 from gep_fed.flower.secure_sum import (
     ADVERTISE,
     COLLECT,
@@ -49,6 +48,7 @@ from gep_fed.flower.simulation import simulated_site_settings
 from gep_fed.flower.strategy import GEPStrategy
 from gep_fed.mechanisms.distributed_noise import DistributedNoise, padded_dimension
 from gep_fed.validation import ConfigError
+from helpers import LocalGrid
 
 FAST = dict(num_basis=10, num_public=100, sample_rate=0.2, noise_seed=3, mode="distributed")
 
@@ -64,55 +64,6 @@ def server_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = next(RUN_IDS), 0, 0
     yield
     TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
-class LocalGrid:
-    """Every site's real ClientApp, called in this process. ``silent(round, node, stage)``
-    True drops that message (the site never answers it); ``tamper(node, stage, content)``
-    rewrites a message's content before the site gets it (a deviating server)."""
-
-    def __init__(
-        self,
-        fed: FederationConfig,
-        silent=lambda rnd, node, stage: False,
-        tamper=None,
-        settings=None,
-    ) -> None:
-        self.app = make_client_app(fed, settings or simulated_site_settings(fed))
-        self.contexts = {
-            100 + i: Context(
-                TaskIdentity.run_id,
-                100 + i,
-                {"partition-id": i, "num-partitions": fed.num_sites},
-                RecordDict(),
-                {},
-            )
-            for i in range(fed.num_sites)
-        }
-        self.silent, self.tamper = silent, tamper
-        self.received = []  # every reply, as the server got it
-        self.sent = []  # (node, stage, message) of every message delivered
-        self.stages = []  # (round, stage) of every message sent
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def send_and_receive(self, messages, timeout=None):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
-            rnd = int(msg.metadata.group_id or 0)
-            self.stages.append((rnd, stage))
-            if self.silent(rnd, node, stage):
-                continue
-            if self.tamper is not None:
-                self.tamper(node, stage, msg.content)
-            self.sent.append((node, stage, msg))
-            reply = self.app(msg, self.contexts[node])
-            self.received.append(reply)
-            replies.append(reply)
-        return replies
 
 
 def spy_shares(monkeypatch):

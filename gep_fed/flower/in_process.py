@@ -75,8 +75,9 @@ class InProcessGrid(Grid):
             message_id = str(uuid4())
             msg.metadata.__dict__["_message_id"] = message_id  # as Flower's grids assign it
             node = msg.metadata.dst_node_id
-            if node in self.contexts:
-                self._replies[message_id] = self._answer(copy.deepcopy(msg), node)
+            reply = self._answer(copy.deepcopy(msg), node) if node in self.contexts else None
+            if reply is not None:  # None: the site never answers
+                self._replies[message_id] = reply
             ids.append(message_id)
         return ids
 
@@ -88,7 +89,8 @@ class InProcessGrid(Grid):
     ) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
 
-    def _answer(self, msg: Message, node: int) -> Message:
+    def _answer(self, msg: Message, node: int) -> Message | None:
+        """The site's reply to its own copy of ``msg`` (a copy again)."""
         try:
             reply = self.client_app(msg, self.contexts[node])
         except Exception as err:  # as Flower's simulation: an error reply, not a crash
@@ -99,14 +101,10 @@ class InProcessGrid(Grid):
         return copy.deepcopy(reply)
 
 
-def run_in_process(
-    server_app: ServerApp, client_app: ClientApp, num_sites: int, run_id: int | None = None
-) -> None:
-    """Run ``server_app`` against ``num_sites`` simulated sites of ``client_app``, each with
-    the node config Flower's simulation gives it (``partition-id``, ``num-partitions``).
-    ``run_id``: a new one by default (a site keeps its state per run, as under Flower)."""
-    run_id = run_id if run_id is not None else next(_RUN_IDS)
-    contexts = {
+def site_contexts(num_sites: int, run_id: int) -> dict[int, Context]:
+    """Each simulated site's Context, with the node config Flower's simulation gives it
+    (``partition-id``, ``num-partitions``)."""
+    return {
         FIRST_NODE_ID + i: Context(
             run_id,
             FIRST_NODE_ID + i,
@@ -116,8 +114,16 @@ def run_in_process(
         )
         for i in range(num_sites)
     }
-    run = Run.create_empty(run_id)
-    grid = InProcessGrid(client_app, contexts, run)
+
+
+def run_in_process(
+    server_app: ServerApp, client_app: ClientApp, num_sites: int, run_id: int | None = None
+) -> None:
+    """Run ``server_app`` against ``num_sites`` simulated sites of ``client_app``, each with
+    the node config Flower's simulation gives it (``partition-id``, ``num-partitions``).
+    ``run_id``: a new one by default (a site keeps its state per run, as under Flower)."""
+    run_id = run_id if run_id is not None else next(_RUN_IDS)
+    grid = InProcessGrid(client_app, site_contexts(num_sites, run_id), Run.create_empty(run_id))
     saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, 0
     try:
