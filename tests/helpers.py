@@ -153,3 +153,17 @@ class LocalGrid(InProcessGrid):
     def app(self, msg, context):
         """The sites' ClientApp, called directly (a message sent again)."""
         return self.client_app(msg, context)
+
+
+def tiny_federation(run_dir, built_task, **settings):
+    """A ``FederationServer`` for ``settings`` over ``built_task``, its run directory
+    made, the declared N the task's pooled size: the small federation the library-side tests
+    drive by hand, site by site."""
+    from gep_fed.federation.config import FederationConfig
+    from gep_fed.federation.rundir import RunDirectory
+    from gep_fed.federation.server import FederationServer
+
+    fed = FederationConfig(**{"run_name": "r", **settings, "run_dir": str(run_dir)})
+    run = RunDirectory(fed.run_directory(0))
+    run.path.mkdir(parents=True, exist_ok=True)
+    return FederationServer(fed, built_task, run, total_examples=len(built_task.train_dataset()))

@@ -15,11 +15,10 @@ from gep_fed.data.task import TaskSettings
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig
-from gep_fed.federation.rundir import RunDirectory
-from gep_fed.federation.server import FederationServer
 from gep_fed.flower.strategy import GEPStrategy
 from gep_fed.mechanisms.mechanism import ClippedSums
 from gep_fed.validation import ConfigError
+from helpers import tiny_federation
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +27,8 @@ def digits():
 
 
 def make_server(tmp_path, task, **overrides):
-    settings = dict(
-        num_basis=20,
-        sample_rate=0.2,
-        rounds=3,
-        run_dir=str(tmp_path),
-        run_name="r",
-        mode="central",
-        noise_multiplier=1.0,
-    )
-    settings.update(overrides)
-    fed = FederationConfig(**settings)
-    run = RunDirectory(fed.run_directory(0))
-    run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
+    base = dict(num_basis=20, sample_rate=0.2, rounds=3, mode="central", noise_multiplier=1.0)
+    return tiny_federation(tmp_path, task, **{**base, **overrides})
 
 
 @pytest.fixture(autouse=True)

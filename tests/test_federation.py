@@ -14,13 +14,12 @@ from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import TaskSettings, stack_examples
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SitePolicy
-from gep_fed.federation.rundir import RunDirectory
-from gep_fed.federation.server import FederationServer
 from gep_fed.federation.site import Site
 from gep_fed.federation.wire import RoundRefused
 from gep_fed.mechanisms.per_example import per_example_gradients
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.validation import ConfigError
+from helpers import tiny_federation
 
 # Sites of these tests trust the server (central mode) and accept noise-free rounds.
 TRUSTING = SitePolicy(None, 1e-5, accepted_modes=("client", "central"), allow_no_noise=True)
@@ -32,12 +31,9 @@ def digits():
 
 
 def make_server(tmp_path, task, **overrides):
-    settings = dict(num_basis=30, sample_rate=0.2, rounds=3, run_dir=str(tmp_path), run_name="r")
-    settings.update(overrides)
-    fed = FederationConfig(**settings)
-    run = RunDirectory(fed.run_directory(0))
-    run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
+    return tiny_federation(
+        tmp_path, task, **{"num_basis": 30, "sample_rate": 0.2, "rounds": 3, **overrides}
+    )
 
 
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])

@@ -26,12 +26,12 @@ from gep_fed.federation import site as site_module
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SitePolicy
-from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.mechanisms.anchors import AnchorSet
 from gep_fed.mechanisms.groups import ParameterLayout
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.per_example import per_example_gradients
+from helpers import tiny_federation
 
 # What a reply's metrics may hold: each is public or set by the site's own accounting.
 DATA_FREE_METRICS = {"basis-bytes-received", "basis-id", "local-steps", "site-epsilon"}
@@ -81,19 +81,8 @@ def site_ledger(node_config) -> PrivacyLedger:
 
 
 def make_server(tmp_path, built_task, **settings) -> FederationServer:
-    base = dict(
-        num_basis=16,
-        sample_rate=0.1,
-        rounds=5,
-        local_steps=2,
-        noise_multiplier=3.0,
-        run_dir=str(tmp_path / "server"),
-        run_name="r",
-    )
-    fed = FederationConfig(**{**base, **settings})
-    run = RunDirectory(fed.run_directory(0))
-    run.path.mkdir(parents=True, exist_ok=True)
-    return FederationServer(fed, built_task, run, total_examples=len(built_task.train_dataset()))
+    base = dict(num_basis=16, sample_rate=0.1, rounds=5, local_steps=2, noise_multiplier=3.0)
+    return tiny_federation(tmp_path / "server", built_task, **{**base, **settings})
 
 
 def round_message(server, rnd, rc_changes=None, record_changes=None, state=None, basis=None):
