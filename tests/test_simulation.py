@@ -245,3 +245,29 @@ def test_an_unknown_engine_is_named_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"engine must be one of \['ray', 'in-process'\]"):
         simulate(fed, engine="threads")
     assert not (tmp_path / "r").exists()
+
+
+def test_the_in_process_engine_turns_a_sites_exception_into_a_reply_without_its_text():
+    from flwr.app import Message, MessageType, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from gep_fed.flower.in_process import InProcessGrid, site_contexts
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        raise ValueError("patient 1234's label")
+
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 5, 0, 0
+    try:
+        grid = InProcessGrid(app, site_contexts(1, 5), Run.create_empty(5))
+        msg = Message(content=RecordDict(), dst_node_id=100, message_type=MessageType.TRAIN)
+        (reply,) = grid.send_and_receive([msg])
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    assert reply.has_error() and reply.error.code == 2
+    assert "1234" not in reply.error.reason

@@ -94,9 +94,11 @@ class InProcessGrid(Grid):
         try:
             reply = self.client_app(msg, self.contexts[node])
         except Exception as err:  # as Flower's simulation: an error reply, not a crash
-            log.warning("the ClientApp of node %d raised %s", node, type(err).__name__)
+            log.warning("the ClientApp of node %d raised %s: %s", node, type(err).__name__, err)
+            # the reply carries the fixed code only: an exception's text may hold site data
             reply = Message(
-                error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(err)), reply_to=msg
+                error=Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "ClientApp raised an exception"),
+                reply_to=msg,
             )
         return copy.deepcopy(reply)
 
