@@ -69,6 +69,8 @@ NOISE_MULTIPLIER = NON_NEGATIVE  # sigma; 0 is no noise (no privacy), never nega
 AT_LEAST_ONE = Range(1, integer=True)
 PROBABILITY = Range(0, 1, low_open=True)  # a Poisson rate q, a quantile
 MOMENTUM = Range(0, 1, high_open=True)
+# 0: off; the weight of the running average at each step (close to 1: a longer memory)
+MODEL_AVERAGE_DECAY = Range(0, 1, high_open=True)
 DELTA = Range(0, 0.1, low_open=True)
 LEARNING_RATE = POSITIVE
 # 0: no augmentation; K: each example's gradient is the mean over K augmented copies

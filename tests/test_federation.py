@@ -195,3 +195,31 @@ def test_anchors_use_the_public_datas_own_labels_only_when_asked(tmp_path, digit
     assert [s[0] for s in seen] == ["random", "true"]
     _, public_labels = stack_examples(digits.public_dataset())
     assert sorted(seen[1][1].tolist()) == sorted(public_labels.tolist())
+
+
+def test_model_average_serves_the_warmed_up_running_mean_of_the_iterates(tmp_path, digits):
+    server = make_server(tmp_path, digits, mode="client", ema_decay=0.9, server_lr=1.0)
+    size = server.layout.size
+    iterates, deltas = [], [torch.randn(size) for _ in range(3)]
+    for round_, delta in enumerate(deltas, start=1):
+        server.apply_client(round_, [delta])
+        iterates.append(torch.cat([p.detach().flatten() for p in server.model.parameters()]))
+    expected = iterates[0]
+    for round_, iterate in zip((2, 3), iterates[1:], strict=True):
+        weight = min(0.9, (1 + round_) / (10 + round_))
+        expected = weight * expected + (1 - weight) * iterate
+    served = torch.cat([p.detach().flatten() for p in server.served_model.parameters()])
+    torch.testing.assert_close(served, expected)
+    assert not torch.allclose(served, iterates[-1])  # the iterate trains on; the mean is served
+    saved = torch.load(server.run.path / "checkpoint.pt", weights_only=False)
+    resumed = make_server(tmp_path, digits, mode="client", ema_decay=0.9, server_lr=1.0)
+    assert resumed.resume() == 3 and saved["average"] is not None
+    torch.testing.assert_close(
+        torch.cat([p.detach().flatten() for p in resumed.served_model.parameters()]), expected
+    )
+
+
+def test_without_model_average_the_last_iterate_is_served(tmp_path, digits):
+    server = make_server(tmp_path, digits, mode="client")
+    server.apply_client(1, [torch.randn(server.layout.size)])
+    assert server.served_model is server.model

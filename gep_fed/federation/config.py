@@ -28,6 +28,7 @@ from gep_fed.validation import (
     BASIS_TRANSPORTS,
     DELTA,
     LEARNING_RATE,
+    MODEL_AVERAGE_DECAY,
     MOMENTUM,
     NOISE_MULTIPLIER,
     POSITIVE,
@@ -193,6 +194,12 @@ class FederationConfig:
         1.0, "server step size on the private gradient (central) or on the mean delta (client)"
     )
     server_momentum: float = _opt(0.0, "server SGD momentum")
+    ema_decay: float = _opt(
+        0.0,
+        "the model the server evaluates, keeps and saves is an exponential moving average of "
+        "its iterates with this decay (De et al. 2022; post-processing: no privacy cost; it "
+        "damps the last rounds' noise); 0: the last iterate",
+    )
     min_sites: int = _opt(1, "fewest valid replies for a round to update the model")
     round_timeout: float = _opt(600.0, "seconds to wait for the sites' replies in a round")
     seed: int = _opt(0, "public randomness: partitions, anchors, initial model (never noise)")
@@ -249,6 +256,7 @@ class FederationConfig:
             LEARNING_RATE.check(name, getattr(self, name))
         for name in ("local_momentum", "server_momentum"):
             MOMENTUM.check(name, getattr(self, name))
+        MODEL_AVERAGE_DECAY.check("ema_decay", self.ema_decay)
         AUGMENTATION_COPIES.check("augmentation_copies", self.augmentation_copies)
         if self.augmentation_copies and self.mechanism == "langevin":
             raise ConfigError("augmentation_copies needs gep, bgep or gp (langevin has none)")

@@ -12,6 +12,7 @@ distributed, with the accounting every site uses.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -143,6 +144,9 @@ class FederationServer:
             self.model.parameters(), lr=cfg.server_lr, momentum=cfg.server_momentum
         )
         self.completed_rounds = 0
+        # The served model (evaluated, kept, saved): the iterates' running average when
+        # ema_decay > 0, started at the first update; the iterate itself otherwise.
+        self.average: torch.nn.Module | None = None
         self.subspace: AnchorSubspace | None = None
         self.basis_id = -1
         self._basis_arrays: dict | None = None
@@ -321,6 +325,7 @@ class FederationServer:
         self.optimizer.zero_grad(set_to_none=True)
         write_gradient(self.model, self.layout, estimate)
         self.optimizer.step()
+        self._update_average(round_)
         self._commit(round_)
 
     def apply_client(self, round_: int, deltas: list[torch.Tensor]) -> None:
@@ -329,19 +334,47 @@ class FederationServer:
         self.optimizer.zero_grad(set_to_none=True)
         write_gradient(self.model, self.layout, -mean)
         self.optimizer.step()
+        self._update_average(round_)
         self._commit(round_)
+
+    def _update_average(self, round_: int) -> None:
+        """One step of the running average of the iterates. The decay warms up as
+        ``min(decay, (1 + t) / (10 + t))`` so that early rounds do not hold the initial
+        model. Post-processing of released updates: no privacy cost."""
+        decay = self.cfg.ema_decay
+        if not decay:
+            return
+        if self.average is None:
+            self.average = copy.deepcopy(self.model)
+            return
+        weight = min(decay, (1 + round_) / (10 + round_))
+        with torch.no_grad():
+            for avg, cur in zip(
+                self.average.state_dict().values(), self.model.state_dict().values(), strict=True
+            ):
+                if avg.is_floating_point():
+                    avg.mul_(weight).add_(cur, alpha=1 - weight)
+                else:
+                    avg.copy_(cur)
+
+    @property
+    def served_model(self) -> torch.nn.Module:
+        """The model evaluated, kept and saved: the running average, else the iterate."""
+        return self.model if self.average is None else self.average
 
     def evaluate(self) -> dict:
         """The task's metrics on the server's evaluation data, with the share of its most
         frequent class (``majority_rate``: what always predicting that class scores)."""
-        metrics = self.task.metrics(*predict(self.model, self.eval_data, device=self.device))
+        metrics = self.task.metrics(*predict(self.served_model, self.eval_data, device=self.device))
         return {**metrics, "majority_rate": self.majority_rate}
 
     def validate(self) -> dict | None:
         """The task's metrics on its validation data (None when it has none)."""
         if self.validation_data is None:
             return None
-        return self.task.metrics(*predict(self.model, self.validation_data, device=self.device))
+        return self.task.metrics(
+            *predict(self.served_model, self.validation_data, device=self.device)
+        )
 
     def keep_if_best(self, round_: int, validation: Mapping[str, float]) -> bool:
         """Save the model as ``best_model.pt`` if this round's validation score (balanced
@@ -355,7 +388,7 @@ class FederationServer:
         self.run.save_torch(
             BEST_MODEL,
             {
-                "model": self.model.state_dict(),
+                "model": self.served_model.state_dict(),
                 "layout": self.layout.to_dict(),
                 "round": round_,
                 "validation": dict(validation),
@@ -383,6 +416,7 @@ class FederationServer:
             {
                 "round": round_,
                 "model": self.model.state_dict(),
+                "average": None if self.average is None else self.average.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "generator": self.generator.get_state(),
                 "ledger": self.ledger.to_json(),
@@ -393,7 +427,7 @@ class FederationServer:
 
     def save_model(self) -> None:
         self.run.save_torch(
-            MODEL, {"model": self.model.state_dict(), "layout": self.layout.to_dict()}
+            MODEL, {"model": self.served_model.state_dict(), "layout": self.layout.to_dict()}
         )
 
     def resume(self) -> int:
@@ -416,6 +450,9 @@ class FederationServer:
         if len(on_disk) < len(saved.events):  # crashed between checkpoint and ledger write
             self.ledger.recover(saved.events)
         self.model.load_state_dict(ckpt["model"])
+        if ckpt.get("average") is not None:
+            self.average = copy.deepcopy(self.model)
+            self.average.load_state_dict(ckpt["average"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.generator.set_state(ckpt["generator"])
         self.completed_rounds = int(ckpt["round"])
