@@ -184,11 +184,21 @@ LEVERS = {
         {"refresh": 1},  # the GEP paper's: a subspace every step
         {"param_groups": "one"},
         {"s2_ratio": 0.3},
+        # issue 54: the paper's residual clip ratio (0.2) and below; GEP's noise relative to
+        # DP-SGD's is about 2 (k/p + (S2/S1)^2) when every example is clipped in both parts
+        {"s2_ratio": 0.2},
+        {"s2_ratio": 0.1},
+        # issue 54: weight decay scaled with the step size, wd = lr_wd / lr (the paper's
+        # ResNet20 recipe: lr 0.1 x wd 1e-4 = 1e-5; 1e-4: ten times that)
+        {"lr_wd": 1e-5},
+        {"lr_wd": 1e-4},
         {"warm": 10},
         {"warm": 10, "warm_public": 10000},
         {"aug": 4},
     ),
     "gp": (
+        {"lr_wd": 1e-5},
+        {"lr_wd": 1e-4},
         {"ema": 0.99},
         {"ema": 0.997},
         {"warm": 10},
@@ -484,6 +494,72 @@ def train_opacus_poisson(
 
 
 # ---------------------------------------------------------------------------------------------
+# The GEP paper's protocol (issue 54): for comparison only, never a default
+
+
+PROTOCOLS = {
+    "honest": "Poisson sampling, GEP accounted as one Gaussian of sensitivity sqrt(2) "
+    "(joint release), the final model tested once",
+    "paper-accounting": "the official GEP code's accounting alone (two independent subsampled "
+    "Gaussians: RDP of one at (q, sigma, T), doubled); Poisson sampling, the final model "
+    "tested once",
+    "paper": "the official GEP code's protocol: its accounting (two independent subsampled "
+    "Gaussians: RDP of one at (q, sigma, T), doubled), shuffled fixed-size batches (each "
+    "epoch a random permutation cut into ceil(n / B) batches; accounted as if Poisson), and "
+    "the best test accuracy over the epochs reported",
+}
+
+
+def paper_sigma(epsilon: float, q: float, steps: int, method: str) -> float:
+    """sigma as the official GEP code calibrates it: RDP (dp-accounting) of one Poisson-
+    subsampled Gaussian at (q, sigma, steps), doubled for GEP's two releases
+    (``compute_rdp(q, sigma, T, orders) * 2``), i.e. one subsampled Gaussian at sigma for 2T
+    steps. The joint release has sensitivity sqrt(2) per example; accounting it as two
+    independent mechanisms understates epsilon (``epsilons(method, sigma, q, steps)`` gives
+    the true one). GP's accounting is the same either way."""
+    releases = 2 if method == "gep" else 1
+    return calibrate_noise_multiplier(epsilon, DELTA, q, releases * steps, "gp")
+
+
+def paper_epsilon(sigma: float, q: float, steps: int, method: str) -> float:
+    """The RDP epsilon the official GEP code reports for ``sigma`` (``paper_sigma``'s)."""
+    releases = 2 if method == "gep" else 1
+    return epsilons("gp", sigma, q, releases * steps)[0]
+
+
+def train_shuffled(
+    model, x, y, public, config, steps, per_epoch, opt_cfg, seed, public_labels, evaluate_fn
+):
+    """The official GEP code's loop: each epoch a random permutation of the data cut into
+    ``per_epoch`` batches of fixed size (about q n each: the expected batch of the Poisson
+    runs, which GEPStep divides by), a private step on each; the model tested after each
+    epoch. Returns (final accuracy, [accuracy after each epoch]). No privacy claim: shuffled
+    batches are not Poisson samples, and testing every epoch to pick the best uses the test set."""
+    from gep_fed.mechanisms.step import GEPStep
+
+    step = GEPStep(
+        model,
+        public,
+        config,
+        dataset_size=len(x),
+        public_labels=public_labels,
+        noise=NoiseSource(seed + 1),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    opt, sched = opt_cfg.make(model, steps)
+    order = torch.Generator().manual_seed(seed + 3)
+    history = []
+    for _ in range(steps // per_epoch):
+        for idx in torch.tensor_split(torch.randperm(len(x), generator=order), per_epoch):
+            opt.zero_grad(set_to_none=True)
+            step(x[idx], y[idx])
+            opt.step()
+            sched.step()
+        history.append(evaluate_fn(model)["accuracy"])
+    return history[-1], history
+
+
+# ---------------------------------------------------------------------------------------------
 # One run
 
 
@@ -560,14 +636,25 @@ def warm_cache_path(args, data: Data, epochs: int, count: int) -> Path:
     return Path(args.warm_cache) / f"{h.hexdigest()[:20]}.pt"
 
 
+def weight_decay(setting: dict) -> float:
+    """The setting's weight decay: ``wd``, or ``lr_wd / lr`` (issue 54's lever: the decay
+    scaled with the step size, so that their product, the shrink per step, is fixed)."""
+    if "lr_wd" in setting:
+        if setting.get("wd"):
+            raise ValueError(f"a setting with both wd and lr_wd: {setting}")
+        return setting["lr_wd"] / setting["lr"]
+    return setting.get("wd", 0.0)
+
+
 def optimizer_config(setting: dict) -> OptimizerConfig:
-    """SGD with momentum 0.9 at the setting's ``lr``; ``wd`` (weight decay) and ``decay_at``
-    (the fraction of the steps after which the learning rate drops tenfold) when it has
-    them, as the GEP paper's ResNet20 recipe does. Every method, Opacus included, uses it."""
+    """SGD with momentum 0.9 at the setting's ``lr``; weight decay (``wd``, or ``lr_wd``
+    divided by ``lr``) and ``decay_at`` (the fraction of the steps after which the learning
+    rate drops tenfold) when it has them, as the GEP paper's ResNet20 recipe does. Every
+    method, Opacus included, uses it."""
     return OptimizerConfig(
         lr=setting["lr"],
         momentum=0.9,
-        weight_decay=setting.get("wd", 0.0),
+        weight_decay=weight_decay(setting),
         decay_at=setting.get("decay_at"),
     )
 
@@ -624,9 +711,20 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
         tan = args.tan if stage == "tune" else 1
         adaptive = setting.get("private_quantile")  # S2 from an accounted, noised count
         count_target = None if adaptive is None else q * n * COUNT_NOISE_SHARE
-        sigma_target = calibrate_noise_multiplier(
-            args.epsilon, DELTA, q, steps, mech, count_noise=count_target
-        )
+        protocol = args.protocol if stage == "final" else "honest"
+        if protocol != "honest":
+            if adaptive is not None or method not in ("gep", "gp"):
+                raise SystemExit(f"--protocol {protocol}: GEP and GP, fixed clips, only")
+            sigma_target = paper_sigma(args.epsilon, q, steps, mech)
+            rec.update(
+                protocol=protocol,
+                protocol_text=PROTOCOLS[protocol],
+                epsilon_paper_accounting=paper_epsilon(sigma_target, q, steps, mech),
+            )
+        else:
+            sigma_target = calibrate_noise_multiplier(
+                args.epsilon, DELTA, q, steps, mech, count_noise=count_target
+            )
         sigma, q_run = sigma_target / tan, q / tan
         count_run = None if adaptive is None else count_target / tan  # TAN: same per example
         rec.update(
@@ -675,31 +773,54 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
                 groups=PARAM_GROUPS[setting.get("param_groups", "layers")],
             )
             augmentation, augmentation_draws = multiplicity(args, setting)
+            if protocol == "paper":
+                if augmentation is not None or setting.get("ema"):
+                    raise SystemExit("--protocol paper: no aug or ema lever")
+                accuracy, history = train_shuffled(
+                    model,
+                    x,
+                    y,
+                    data.public,
+                    config,
+                    steps,
+                    steps // setting["epochs"],
+                    opt,
+                    args.seed,
+                    data.labels["public"] if args.anchor_labels == "true" else None,
+                    lambda m: evaluate(m, eval_xy, "multiclass"),
+                )
+                rec.update(
+                    epoch_accuracies=history,
+                    best_epoch_accuracy=max(history),
+                    best_epoch=1 + history.index(max(history)),
+                    sampling="shuffled",
+                )
             saves = checkpoint(args, method, setting, stage, augmentation_draws)
-            if saves.path.exists():
-                print(f"  resuming from {saves.path}", flush=True)
-            result = train_private(
-                model,
-                x,
-                y,
-                data.public,
-                config,
-                steps,
-                opt,
-                delta=DELTA,
-                generator=torch.Generator().manual_seed(args.seed),
-                noise=NoiseSource(args.seed + 1),
-                public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
-                average_iterates=setting.get("ema"),
-                multiplicity=augmentation,
-                evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
-                on_step=clock.tick,
-                checkpoint=saves,
-            )
-            accuracy, ledger = result.accuracy, result.ledger
-            if result.resumed_at:  # the seconds and the pace are of the later steps only
-                rec["resumed_at_step"] = result.resumed_at
-            rec["ledger_epsilon_rdp"] = ledger.epsilon()
+            if protocol != "paper":
+                if saves.path.exists():
+                    print(f"  resuming from {saves.path}", flush=True)
+                result = train_private(
+                    model,
+                    x,
+                    y,
+                    data.public,
+                    config,
+                    steps,
+                    opt,
+                    delta=DELTA,
+                    generator=torch.Generator().manual_seed(args.seed),
+                    noise=NoiseSource(args.seed + 1),
+                    public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
+                    average_iterates=setting.get("ema"),
+                    multiplicity=augmentation,
+                    evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
+                    on_step=clock.tick,
+                    checkpoint=saves,
+                )
+                accuracy, ledger = result.accuracy, result.ledger
+                if result.resumed_at:  # the seconds and the pace are of the later steps only
+                    rec["resumed_at_step"] = result.resumed_at
+                rec["ledger_epsilon_rdp"] = ledger.epsilon()
         rec.update(clock.pace())
         rec["epsilon_rdp"], rec["epsilon_pld"] = epsilons(mech, sigma, q_run, steps, count_run)
         if tan != 1:
@@ -765,6 +886,8 @@ def run_key(args, method: str, setting: dict, stage: str) -> str:
         "val_size": args.val_size,
         "tan": args.tan if (stage == "tune" and method in PRIVATE) else 1,
     }
+    if stage == "final" and getattr(args, "protocol", "honest") != "honest":
+        key["protocol"] = args.protocol  # honest runs keep their keys
     if method in ("gep", "bgep"):
         key["anchors"] = {
             "public": DATASETS[args.dataset]["public"],
@@ -823,8 +946,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--tan",
         type=int,
-        default=1,
-        help="tune at batch/R and sigma/R, same steps (TAN); 1: tune at full cost",
+        default=None,
+        help="tune at batch/R and sigma/R, same steps (TAN); 1: tune at full cost (default 1; "
+        "with --stage final or levers: the TAN the grid was tuned at, read from the log)",
     )
     ap.add_argument(
         "--num-public",
@@ -906,6 +1030,15 @@ def parse_args(argv=None):
         default=5.0,
         help="minutes between a run's checkpoints",
     )
+    ap.add_argument(
+        "--protocol",
+        choices=list(PROTOCOLS),
+        default="honest",
+        help="final runs only, for comparison, never a result: 'paper' runs the official GEP "
+        "code's protocol (its accounting of GEP as two independent subsampled Gaussians, "
+        "shuffled fixed-size batches, the best test accuracy over epochs reported, each "
+        "labelled); 'paper-accounting' its accounting alone. Default: honest",
+    )
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument(
         "--levers",
@@ -920,8 +1053,9 @@ def parse_args(argv=None):
         type=int,
         default=None,
         metavar="R",
-        help="with --stage levers: the TAN the grid was tuned at (default --tan); at another "
-        "--tan the grid's winner and its levers run at that TAN (--tan 1: the real batch)",
+        help="with --stage levers: the TAN the grid was tuned at (default: --tan if given, "
+        "else read from the log); at another --tan the grid's winner and its levers run at "
+        "that TAN (--tan 1: the real batch)",
     )
     ap.add_argument(
         "--lever-final",
@@ -934,8 +1068,10 @@ def parse_args(argv=None):
         args.epsilon = GOALS[args.dataset][0]
     if args.val_size is None:
         args.val_size = DATASETS[args.dataset]["val_size"]
+    if args.stage in ("tune", "all") or args.table_only:
+        args.tan = 1 if args.tan is None else args.tan
     if args.grid_tan is None:
-        args.grid_tan = args.tan
+        args.grid_tan = args.tan  # None: read from the log (``resolve_grid_tan``)
     for item in args.levers or ():
         if not any(lever_selected(lever, [item]) for levers in LEVERS.values() for lever in levers):
             known = sorted(
@@ -946,13 +1082,14 @@ def parse_args(argv=None):
             )
     if not args.checkpoint_minutes > 0:
         raise SystemExit(f"--checkpoint-minutes must be > 0, got {args.checkpoint_minutes}")
-    if args.lever_final and (args.seed, args.tan) != (0, args.grid_tan):
-        raise SystemExit(
-            f"--lever-final with --seed {args.seed} --tan {args.tan}: levers are chosen at seed "
-            f"0 and TAN {args.grid_tan}, where the grid was tuned; other seeds measure their "
-            "spread, another TAN whether the tuning scale holds"
-        )
+    if args.lever_final and None not in (args.tan, args.grid_tan):
+        check_lever_final(args)
     final = args.stage == "final" or (args.stage == "levers" and args.lever_final)
+    if args.protocol != "honest" and not (final and set(args.methods) <= {"gep", "gp"}):
+        raise SystemExit(
+            f"--protocol {args.protocol}: final runs of gep and gp only (--stage final, or "
+            "--stage levers --lever-final, --methods gep gp)"
+        )
     if args.final_epochs is not None and (args.final_epochs < 1 or not final):
         raise SystemExit(
             f"--final-epochs {args.final_epochs}: a number of epochs >= 1, with --stage final "
@@ -970,6 +1107,53 @@ def parse_args(argv=None):
     return args
 
 
+def check_lever_final(args) -> None:
+    """``--lever-final`` needs the TAN the grid was tuned at: levers are chosen at seed 0 and
+    that TAN; at another seed the final retrains the lever chosen at seed 0 (the spread of
+    the chosen setting over seeds)."""
+    if args.tan != args.grid_tan:
+        raise SystemExit(
+            f"--lever-final with --tan {args.tan}: levers are chosen at seed 0 and TAN "
+            f"{args.grid_tan}, where the grid was tuned; another TAN measures whether the "
+            "tuning scale holds"
+        )
+
+
+def grid_tans(args, grids: dict, done: dict) -> dict[int, int]:
+    """For each TAN the log holds seed-0 tuning runs of this grid at: how many of the
+    requested methods' grid runs it holds."""
+    found = {json.loads(k).get("tan", 1) for k, r in done.items() if r.get("stage") == "tune"}
+    counts = {}
+    for tan in sorted(found | {1}):
+        grid_args = argparse.Namespace(**{**vars(args), "seed": 0, "tan": tan})
+        counts[tan] = sum(
+            run_key(grid_args, method, s, "tune") in done
+            for method in args.methods
+            for s in grids[method]
+        )
+    return counts
+
+
+def resolve_grid_tan(args, grids: dict, done: dict) -> None:
+    """With ``--stage final`` or ``levers`` and no ``--tan`` / ``--grid-tan``: the TAN the
+    grid was tuned at, read from the log (the TAN holding the most of its runs), so that a
+    command without ``--tan 8`` finds a grid tuned at TAN 8 instead of reporting it empty.
+    Lever runs then run at that TAN too (``--tan 1`` asks for the real batch)."""
+    if args.grid_tan is None:
+        counts = grid_tans(args, grids, done)
+        args.grid_tan = max(counts, key=lambda tan: (counts[tan], tan == 1))
+        if counts[args.grid_tan]:
+            print(
+                f"grid {args.grid!r} found tuned at TAN {args.grid_tan} "
+                f"({counts[args.grid_tan]} runs of {', '.join(args.methods)})",
+                flush=True,
+            )
+    if args.tan is None:
+        args.tan = args.grid_tan
+    if args.lever_final:
+        check_lever_final(args)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out)
@@ -983,6 +1167,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"no grid {args.grid!r} for features {args.features!r}")
     grids = GRIDS[grid_name]
     done = {r["key"]: r for r in read_log(args.dataset, out_dir)}
+    if args.stage in ("final", "levers"):
+        resolve_grid_tan(args, grids, done)
     data = Data(args)
     began = time.perf_counter()
 
@@ -1059,18 +1245,29 @@ def main(argv=None) -> int:
                 continue
             best = max(tuned, key=lambda r: r["accuracy"])
             if levers_stage:
-                if (args.seed, args.tan) != (0, args.grid_tan):  # the base, beside its levers
-                    run(method, best["setting"], "tune", {"beside_levers": True})
-                tried = [
-                    run(
-                        method,
-                        {**best["setting"], **lever},
-                        "tune",
-                        {"lever": lever, "base": best["setting"]},
-                    )
+                wanted = [
+                    lever
                     for lever in LEVERS.get(method, ())
                     if lever_selected(lever, args.levers) and lever_applies(args, lever)
                 ]
+                if args.lever_final and args.seed != 0:
+                    # the levers chosen at seed 0, retrained at this seed (their spread)
+                    tried = [
+                        done.get(run_key(grid_args, method, {**best["setting"], **lever}, "tune"))
+                        for lever in wanted
+                    ]
+                else:
+                    if (args.seed, args.tan) != (0, args.grid_tan):  # the base, beside levers
+                        run(method, best["setting"], "tune", {"beside_levers": True})
+                    tried = [
+                        run(
+                            method,
+                            {**best["setting"], **lever},
+                            "tune",
+                            {"lever": lever, "base": best["setting"]},
+                        )
+                        for lever in wanted
+                    ]
                 tried = [r for r in tried if r is not None]
                 winner = max(tried, key=lambda r: r["accuracy"], default=None)
                 if args.lever_final and winner and winner["accuracy"] > best["accuracy"]:

@@ -532,8 +532,11 @@ def test_levers_at_another_seed_stand_on_the_seed_0_grid_and_rerun_its_winner(
         {**winner, **lever} for lever in standard.LEVERS["gp"] if "warm" in lever
     ]
     assert {r[3] for r in ran} == {1}
-    with pytest.raises(SystemExit, match="--lever-final with --seed 1"):
-        standard.parse_args([*base, *levers, "--seed", "1", "--lever-final"])
+    # a lever final at seed 1 retrains the lever chosen at seed 0 (issue 54: two seeds);
+    # at another TAN than the grid's it is refused
+    assert standard.parse_args([*base, *levers, "--seed", "1", "--lever-final"]).seed == 1
+    with pytest.raises(SystemExit, match="--lever-final with --tan 1"):
+        standard.parse_args([*base[:-1], "1", *levers, "--grid-tan", "8", "--lever-final"])
     # at the real batch (TAN 1) on the grid tuned at TAN 8: the same, at TAN 1 and seed 0
     ran.clear()
     standard.main([*base[:-1], "1", *levers, "--grid-tan", "8"])
