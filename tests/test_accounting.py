@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -151,18 +152,59 @@ def test_two_writers_of_one_ledger_cannot_drop_each_others_releases(tmp_path):
 
 def test_an_event_without_the_mechanisms_accounting_sigma_is_refused():
     with pytest.raises(ValueError, match="event"):
-        PrivacyEvent("gep", 1.0, 0.1, 3)
+        PrivacyEvent.gaussian("gep", 1.0, 0.1, 3)
+    with pytest.raises(ValueError, match="release"):
+        PrivacyEvent("gep", 1.0, 0.1, 3)  # a number is no dp-accounting event
     # GEP's two releases are accounted at sigma / sqrt(2), from the mechanism class itself
     assert GEP.event(2.0, 0.1).accounting_noise_multiplier == pytest.approx(2.0 / math.sqrt(2))
     assert GP.event(2.0, 0.1).accounting_noise_multiplier == 2.0
 
 
+def test_a_ledger_record_keeps_its_flat_format_around_the_dp_accounting_event():
+    """The ledger file's record is the one every ledger so far holds: an old record reads
+    into the event it stands for (its adjacency as dp-accounting's NeighboringRelation) and
+    writes back the same."""
+    import dp_accounting
+
+    old = {
+        "mechanism": "gep",
+        "noise_multiplier": 2.0,
+        "sample_rate": 0.05,
+        "steps": 3,
+        "accounting_noise_multiplier": 2.0 / math.sqrt(2),
+        "party": "s1",
+        "round": 4,
+        "placement": "distributed",
+        "adjacency": "add-remove",
+        "discrete_l2_scale": 0.75,
+        "discrete_tau": 1e-9,
+        "dimension": 1024,
+        "noise_shares": 3,
+        "max_colluding_sites": 1,
+    }
+    event = PrivacyEvent.from_dict(old)
+    assert event.adjacency is dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    assert isinstance(event.release, dp_accounting.PoissonSampledDpEvent)
+    assert event.to_dict() == old
+    assert json.dumps(event.to_dict()) == json.dumps(old)  # same keys, same order
+    langevin = {"mechanism": "langevin", "noise_multiplier": 3.0, "sample_rate": 1.0}
+    single = PrivacyEvent.from_dict({**langevin, "accounting_noise_multiplier": 3.0})
+    assert single.release == dp_accounting.GaussianDpEvent(3.0) and single.steps == 1
+    replaced = PrivacyEvent.from_dict({**single.to_dict(), "adjacency": "replace-one"})
+    assert replaced.adjacency is dp_accounting.NeighboringRelation.REPLACE_ONE
+    assert replaced.to_dict()["adjacency"] == "replace-one"
+    with pytest.raises(ValueError, match="unknown privacy event fields"):
+        PrivacyEvent.from_dict({**old, "colour": "red"})
+    with pytest.raises(ValueError, match="distributed events only"):
+        PrivacyEvent.from_dict({**old, "placement": "local"})
+
+
 def test_events_of_different_adjacency_do_not_compose():
-    replace_one = PrivacyEvent("langevin", 3.0, 1.0, 1, 3.0, adjacency="replace-one")
+    replace_one = PrivacyEvent.gaussian("langevin", 3.0, 1.0, 1, 3.0, adjacency="replace-one")
     with pytest.raises(ValueError, match="adjacency"):
         epsilon_rdp([GP.event(1.0, 0.1), replace_one], 1e-5)
     with pytest.raises(ValueError, match="subsampling"):
-        PrivacyEvent("langevin", 3.0, 0.5, 1, 3.0, adjacency="replace-one")
+        PrivacyEvent.gaussian("langevin", 3.0, 0.5, 1, 3.0, adjacency="replace-one")
 
 
 def test_a_missing_ledger_is_never_silently_restarted(tmp_path):

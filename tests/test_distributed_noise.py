@@ -8,14 +8,18 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from dp_accounting import rdp
+from dp_accounting import NeighboringRelation, rdp
 
+from gep_fed.accounting.accountant import (
+    DistributedDiscreteGaussianDpEvent,
+    RdpAccountant,
+    _poisson_subsampled,
+)
 from gep_fed.accounting.events import (
     RDP_ORDERS,
     PrivacyEvent,
-    _poisson_subsampled,
-    _step_rdp,
     distributed_step_rdp,
+    epsilon_pld,
     epsilon_rdp,
 )
 from gep_fed.mechanisms.contract import PrivacyContract
@@ -26,7 +30,7 @@ from gep_fed.mechanisms.distributed_noise import (
     padded_dimension,
     rotation_signs,
 )
-from gep_fed.mechanisms.mechanism import ClippedSums
+from gep_fed.mechanisms.mechanism import GP, ClippedSums
 
 
 def test_the_noise_sampler_on_several_threads_keeps_every_coordinate_in_place(monkeypatch):
@@ -130,22 +134,12 @@ def test_distributed_accounting_equals_the_continuous_gaussian_it_approaches(q, 
     Gaussian's at every integer order: dp-accounting computes that one independently (its
     exact series of Mironov et al.). Fractional orders take the next integer's value, so
     epsilon may be a little above the Gaussian's, never below."""
-    gaussian = _step_rdp(nu, q)
+    gaussian = rdp.RdpAccountant(RDP_ORDERS).compose(GP.event(nu, q).release).rdp
     discrete = distributed_step_rdp(1 / nu, 0.0, 1000, q)
     integer = np.array([o <= 256 and float(o).is_integer() for o in RDP_ORDERS])
     np.testing.assert_allclose(discrete[integer], gaussian[integer], rtol=1e-9)
-    event = PrivacyEvent("gp", nu, q, 200, nu)
-    dist = PrivacyEvent(
-        "gp",
-        nu,
-        q,
-        200,
-        nu,
-        placement="distributed",
-        discrete_l2_scale=1 / nu,
-        dimension=1000,
-        noise_shares=1,
-    )
+    event = PrivacyEvent.gaussian("gp", nu, q, 200, nu)
+    dist = event.as_distributed(1 / nu, 0.0, 1000, 1)
     ratio = epsilon_rdp([dist], 1e-5) / epsilon_rdp([event], 1e-5)
     # Largest where the best order is below 2 (epsilon 12 and 51 at nu = 0.7).
     assert 1 - 1e-9 <= ratio < 1.15
@@ -155,18 +149,8 @@ def test_at_a_small_budget_over_many_steps_distributed_costs_what_central_costs(
     """Fashion-MNIST's setting (GEP at sigma 3.79: nu 2.68, q 1/15, 300 steps): the epsilon
     of the distributed release is within 1 % of the Gaussian's."""
     nu, q, steps = 3.79 / math.sqrt(2), 1 / 15, 300
-    central = epsilon_rdp([PrivacyEvent("gep", 3.79, q, steps, nu)], 1e-5)
-    dist = PrivacyEvent(
-        "gep",
-        3.79,
-        q,
-        steps,
-        nu,
-        placement="distributed",
-        discrete_l2_scale=1 / nu,
-        dimension=65536,
-        noise_shares=3,
-    )
+    central = epsilon_rdp([PrivacyEvent.gaussian("gep", 3.79, q, steps, nu)], 1e-5)
+    dist = PrivacyEvent.gaussian("gep", 3.79, q, steps, nu).as_distributed(1 / nu, 0.0, 65536, 3)
     assert central == pytest.approx(2.0, abs=0.01)
     assert 1 - 1e-9 <= epsilon_rdp([dist], 1e-5) / central < 1.01
 
@@ -250,19 +234,32 @@ def test_a_zcdp_event_composes_as_dp_accounting_composes_it():
     np.testing.assert_allclose(curve, expected, rtol=1e-12)
 
 
-def test_distributed_releases_are_never_composed_as_gaussians():
+def test_a_distributed_release_is_a_dp_accounting_event_only_the_projects_accountant_composes():
+    """dp-accounting's event-and-accountant pattern: the release is a ``DpEvent`` (never a
+    Gaussian one); dp-accounting's own accountants refuse it as any unknown event, the
+    project's composes it at its own curve, and refuses it under another adjacency."""
+    from dp_accounting import UnsupportedEventError
+    from dp_accounting.pld import PLDAccountant
+
     from gep_fed.accounting.events import compose
 
-    dist = PrivacyEvent(
-        "gp",
-        1.0,
-        0.1,
-        3,
-        1.0,
-        placement="distributed",
-        discrete_l2_scale=1.0,
-        dimension=8,
-        noise_shares=1,
+    dist = PrivacyEvent.gaussian("gp", 1.0, 0.1, 3, 1.0).as_distributed(1.0, 0.0, 8, 1)
+    assert dist.release == dp_accounting.PoissonSampledDpEvent(
+        0.1, DistributedDiscreteGaussianDpEvent(1.0, 1.0, 0.0, 8, 1)
     )
-    with pytest.raises(ValueError, match="no dp-accounting event"):
-        compose([dist])
+    event = compose([dist])
+    for theirs in (rdp.RdpAccountant(RDP_ORDERS), PLDAccountant()):
+        assert not theirs.supports(event)
+        with pytest.raises(UnsupportedEventError):
+            theirs.compose(event)
+    ours = RdpAccountant(RDP_ORDERS)
+    assert ours.supports(event)
+    np.testing.assert_array_equal(
+        ours.compose(event).rdp, 3 * distributed_step_rdp(1.0, 0.0, 8, 0.1)
+    )
+    assert math.isnan(epsilon_pld([dist], 1e-5))
+    replace_one = RdpAccountant(RDP_ORDERS, NeighboringRelation.REPLACE_ONE)
+    unsampled = DistributedDiscreteGaussianDpEvent(1.0, 1.0, 0.0, 8, 1)
+    assert not replace_one.supports(unsampled)
+    with pytest.raises(UnsupportedEventError, match="ADD_OR_REMOVE_ONE"):
+        replace_one.compose(unsampled)

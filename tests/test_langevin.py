@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_accounting import rdp
+from dp_accounting import NeighboringRelation, rdp
 from torch import nn
 
 from gep_fed.accounting.events import RDP_ORDERS, PrivacyEvent, epsilon_rdp
@@ -73,7 +73,7 @@ def test_beta0_calibration_meets_the_target_under_replace_one_adjacency():
     beta0 = beta0_for_epsilon(2.0, 1e-5, eta=0.5, grad_bound=2.0, n=500)
     trainer = LangevinTrainer(MLP(3, 2, hidden=()), single_pass_config(beta0=beta0))
     (event,) = trainer.single_pass_events(500)
-    assert event.adjacency == "replace-one"
+    assert event.adjacency is NeighboringRelation.REPLACE_ONE
     sigma = event.accounting_noise_multiplier
     assert epsilon_rdp([single_pass_event(sigma)], 1e-5) == pytest.approx(2.0, abs=1e-3)
 
@@ -105,7 +105,7 @@ def test_single_pass_uses_each_example_at_most_once_and_is_one_replace_one_relea
     used = torch.cat(trainer.fit(x, y))
     assert len(used) == len(set(used.tolist())) <= n
     assert trainer.ledger.steps == 1  # the last iterate is the one release
-    assert trainer.ledger.events[0].adjacency == "replace-one"
+    assert trainer.ledger.events[0].adjacency is NeighboringRelation.REPLACE_ONE
     # its epsilon bounds another neighbouring relation than the multi-pass (add-remove) one's
     multi = LangevinTrainer(MLP(5, 3, hidden=()), LangevinConfig(schedule="multi-pass", batch=4))
     with pytest.raises(ValueError, match="different adjacency"):
@@ -154,7 +154,7 @@ def test_multi_pass_accounts_every_step_conservatively_and_tightly():
     assert trainer.ledger.steps == 49  # step 1 draws from the prior: no data, no release
     for event in trainer.ledger.events:
         assert event.sample_rate == pytest.approx(batch / n)
-        assert event.adjacency == "add-remove"
+        assert event.adjacency is NeighboringRelation.ADD_OR_REMOVE_ONE
     exact = []
     for t in range(2, 51):
         eta, lam = multi_pass_rates(t, n, cfg)
@@ -164,7 +164,9 @@ def test_multi_pass_accounts_every_step_conservatively_and_tightly():
     assert all(r <= e for r, e in zip(recorded, exact, strict=True))
     assert all(r >= 0.99 * e for r, e in zip(recorded, exact, strict=True))
     # accounting the sensitivity without the 1 / batch over-states epsilon several times
-    overstated = [PrivacyEvent("langevin", e / batch, batch / n, 1, e / batch) for e in exact]
+    overstated = [
+        PrivacyEvent.gaussian("langevin", e / batch, batch / n, 1, e / batch) for e in exact
+    ]
     assert epsilon_rdp(trainer.ledger.events, 1e-5) < epsilon_rdp(overstated, 1e-5) / 3
 
 

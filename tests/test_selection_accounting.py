@@ -378,16 +378,8 @@ def test_trial_rdp_composes_as_epsilon_rdp_does():
     """Kept equal to ``epsilon_rdp``'s composition (the two would drift apart otherwise),
     distributed releases included."""
     nu = 2.0
-    distributed = PrivacyEvent(
-        "gp",
-        nu,
-        0.05,
-        100,
-        nu,
-        placement="distributed",
-        discrete_l2_scale=1 / nu,
-        dimension=1000,
-        noise_shares=2,
+    distributed = PrivacyEvent.gaussian("gp", nu, 0.05, 100, nu).as_distributed(
+        1 / nu, 0.0, 1000, 2
     )
     cases = [
         [GP.event(1.1, 0.01, 1000)],
@@ -407,7 +399,7 @@ def test_a_random_search_trial_costs_its_costliest_candidate():
     np.testing.assert_array_equal(random_search_rdp([a]), trial_rdp(a))
     with pytest.raises(TypeError, match="sequence of event sequences"):
         random_search_rdp(a)
-    replaced = [PrivacyEvent("langevin", 5.0, 1.0, 1, 5.0, adjacency="replace-one")]
+    replaced = [PrivacyEvent.gaussian("langevin", 5.0, 1.0, 1, 5.0, adjacency="replace-one")]
     with pytest.raises(ValueError, match="adjacency"):
         random_search_rdp([a, replaced])
     assert selection_epsilon([[]], 1e-5, TNB(1, 0.1)) == 0.0  # trials that read no data

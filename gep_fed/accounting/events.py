@@ -1,9 +1,14 @@
 """Privacy accounting with Google's ``dp-accounting``: events, epsilon, calibration.
 
-Every release is a ``PrivacyEvent``: ``steps`` releases of a Gaussian mechanism, each on a
-Poisson sample of rate ``sample_rate``. GEP releases two clipped vectors per step and counts as
-noise multiplier ``sigma / sqrt(2)``; B-GEP and GP as ``sigma``. Adjacency: add or remove one
-example. Epsilon comes from RDP (Mironov et al. 2019) or, tighter, from privacy loss
+Every release is a ``PrivacyEvent``: ``steps`` times one dp-accounting event (``release``), with
+who released it, where its noise was added, and the neighbouring relation its figure is
+against (dp-accounting's ``NeighboringRelation``). A Gaussian step is dp-accounting's
+``GaussianDpEvent``, inside a ``PoissonSampledDpEvent`` when it reads a Poisson sample: GEP
+releases two clipped vectors per step and counts as noise multiplier ``sigma / sqrt(2)``; B-GEP
+and GP as ``sigma``. A distributed step (a sum of discrete Gaussian shares over a secure sum)
+is ``accountant.DistributedDiscreteGaussianDpEvent``, which the project's ``RdpAccountant``
+composes and dp-accounting's own accountants refuse, as they refuse any event they do not
+know. Epsilon comes from RDP (Mironov et al. 2019) or, tighter, from privacy loss
 distributions (PLD); both are the library's, not formulas of ours.
 """
 
@@ -13,7 +18,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +27,7 @@ from gep_fed.validation import DELTA, NOISE_MULTIPLIER, PROBABILITY
 
 if TYPE_CHECKING:
     import dp_accounting
+    from dp_accounting import NeighboringRelation
 
 # dp-accounting logs a warning for each fractional RDP order whose series does not converge
 # and then excludes that order: the result is still a valid bound, so the noise is dropped.
@@ -36,6 +42,7 @@ RDP_ORDERS: tuple[float, ...] = tuple(
 PLD_DISCRETIZATION = 1e-4
 
 
+@functools.cache
 def _dp():
     """dp-accounting, imported at first use: it takes about a second, which the command
     line's help and its errors need not pay."""
@@ -46,17 +53,51 @@ def _dp():
     return dp_accounting
 
 
-# Distributed releases: the highest order at which Poisson subsampling is applied.
-SUBSAMPLED_MAX_ORDER = 256
+@functools.cache
+def _accountant():
+    """``gep_fed.accounting.accountant`` (it imports dp-accounting), at first use."""
+    from gep_fed.accounting import accountant
+
+    return accountant
+
+
 MIN_NOISE_MULTIPLIER = 1e-3
 MAX_NOISE_MULTIPLIER = 1e4
 
 # Who added the noise: the releasing party itself, a server it trusts (central mode), or every
 # site a share of discrete noise inside a secure sum (distributed mode).
 PLACEMENTS = ("local", "trusted-server", "distributed")
-# Neighbouring data sets: one example added or removed (Poisson-subsampled mechanisms), or one
-# example replaced by another (single-pass Langevin: privacy amplification by iteration).
-ADJACENCIES = ("add-remove", "replace-one")
+# Neighbouring data sets, as the ledger file names them: one example added or removed
+# (Poisson-subsampled mechanisms), or one example replaced by another (single-pass Langevin:
+# privacy amplification by iteration). In memory, dp-accounting's NeighboringRelation.
+ADJACENCIES = {"add-remove": "ADD_OR_REMOVE_ONE", "replace-one": "REPLACE_ONE"}
+
+
+def neighboring_relation(adjacency: NeighboringRelation | str | None) -> NeighboringRelation:
+    """dp-accounting's ``NeighboringRelation`` for ``adjacency``: itself, or its ledger name
+    ("add-remove", "replace-one"); None is add-or-remove-one."""
+    relation = _dp().NeighboringRelation
+    if adjacency is None:
+        return relation.ADD_OR_REMOVE_ONE
+    if isinstance(adjacency, str) and adjacency in ADJACENCIES:
+        return relation[ADJACENCIES[adjacency]]
+    names = {getattr(relation, name) for name in ADJACENCIES.values()}
+    if adjacency not in names:
+        raise ValueError(
+            f"adjacency must be one of {tuple(ADJACENCIES)} (NeighboringRelation."
+            f"{'/'.join(ADJACENCIES.values())}), got {adjacency!r}"
+        )
+    return adjacency
+
+
+def adjacency_name(relation: NeighboringRelation) -> str:
+    """The ledger file's name of ``relation`` ("add-remove" or "replace-one")."""
+    return next(name for name, member in ADJACENCIES.items() if relation.name == member)
+
+
+def _distributed_part(name: str, otherwise: float) -> property:
+    """A ``PrivacyEvent`` property: the distributed step's ``name``, else ``otherwise``."""
+    return property(lambda event: getattr(event.step, name) if event.is_distributed else otherwise)
 
 
 class ImpossibleTargetError(ValueError):
@@ -65,87 +106,152 @@ class ImpossibleTargetError(ValueError):
 
 @dataclass(frozen=True)
 class PrivacyEvent:
-    """``steps`` Poisson-subsampled Gaussian releases with the same parameters.
+    """``steps`` releases of one dp-accounting event, and what the figure rests on.
+
+    Build one with a mechanism's ``event(...)`` (e.g. ``GEP.event(sigma, q)``), which knows
+    how many vectors a step releases, or ``PrivacyEvent.gaussian``; a distributed release with
+    ``as_distributed``.
 
     Attributes:
         mechanism: "gep", "bgep", "gp" or "langevin" (what was released).
         noise_multiplier: the configured sigma (noise std divided by the clip norm).
-        sample_rate: q, each example's independent chance to be in a step's batch
-            (1.0 for full-batch or deterministic use).
+        release: one step as dp-accounting describes it: ``GaussianDpEvent`` of the
+            equivalent sensitivity-1 Gaussian's noise multiplier (GEP: sigma / sqrt(2)), or a
+            distributed release's ``DistributedDiscreteGaussianDpEvent``; inside a
+            ``PoissonSampledDpEvent`` of rate q when the step reads a Poisson sample.
         steps: how many such releases.
-        accounting_noise_multiplier: the sigma of the equivalent sensitivity-1 Gaussian
-            mechanism (GEP: sigma / sqrt(2)); this is what enters the accountant. Always
-            supplied by the mechanism object (``Mechanism.event``), never looked up by name.
+        adjacency: dp-accounting's ``NeighboringRelation``: ``ADD_OR_REMOVE_ONE`` or
+            ``REPLACE_ONE`` (single-pass Langevin; never subsampled). Events of different
+            adjacency do not compose. "add-remove" and "replace-one" (the ledger's names) are
+            accepted and converted.
         party: who released (a site id, or "federation" in central mode).
         round: the federated round, if any.
-        placement: "local" (the party added the noise itself) or "trusted-server" (central
-            mode: the party sent unnoised sums to a server it trusts to add the noise).
-        adjacency: "add-remove" (one example added or removed) or "replace-one" (one example
-            replaced; single-pass Langevin). Events of different adjacency do not compose.
-        discrete_l2_scale, discrete_tau, dimension: a "distributed" release only (a sum of
-            discrete Gaussian shares over a secure sum): one example's largest move of the
-            quantised vector over the noise std of the sum, rounding included (at least
-            ``1 / accounting_noise_multiplier``); the divergence of a sum of discrete
-            Gaussians from one; the quantised vector's dimension. Accounted by
-            ``distributed_step_rdp``.
-        noise_shares, max_colluding_sites: a "distributed" release's assumptions: the sum
-            held the noise of at least ``noise_shares`` sites other than the (at most)
-            ``max_colluding_sites`` that may collude with the server (the recording site
-            unmasks only then). They do not change the figure; they state what it rests on.
+        placement: "local" (the party added the noise itself), "trusted-server" (central
+            mode: the party sent unnoised sums to a server it trusts to add the noise) or
+            "distributed" (a share of discrete noise inside a secure sum: the release is
+            distributed, and only then).
+        max_colluding_sites: a distributed release's assumption: the sum held the noise of at
+            least ``noise_shares`` sites other than the (at most) ``max_colluding_sites`` that
+            may collude with the server (the recording site unmasks only then). It does not
+            change the figure; it states what the figure rests on.
+
+    ``sample_rate``, ``accounting_noise_multiplier``, ``dimension``, ``discrete_l2_scale``,
+    ``discrete_tau`` and ``noise_shares`` read the release. The ledger file keeps the flat
+    record it always kept (``to_dict``, ``from_dict``).
     """
 
     mechanism: str
     noise_multiplier: float
-    sample_rate: float
+    release: dp_accounting.DpEvent
     steps: int = 1
-    accounting_noise_multiplier: float | None = None
+    adjacency: NeighboringRelation | None = None
     party: str = ""
     round: int | None = None
     placement: str = "local"
-    adjacency: str = "add-remove"
-    discrete_l2_scale: float = 0.0
-    discrete_tau: float = 0.0
-    dimension: int = 0
-    noise_shares: int = 0
     max_colluding_sites: int = 0
 
     def __post_init__(self) -> None:
-        sigma = self.accounting_noise_multiplier
-        if sigma is None:
+        object.__setattr__(self, "adjacency", neighboring_relation(self.adjacency))
+        dp, distributed = _dp(), _accountant().DistributedDiscreteGaussianDpEvent
+        step = self.release
+        if isinstance(step, dp.PoissonSampledDpEvent):
+            PROBABILITY.check("sample_rate", step.sampling_probability)
+            step = step.event
+        if not isinstance(step, (dp.GaussianDpEvent, distributed)):
+            raise ValueError(
+                "a PrivacyEvent's release is a dp-accounting GaussianDpEvent or a "
+                "DistributedDiscreteGaussianDpEvent, Poisson-sampled or not; got "
+                f"{self.release!r}. Build events with the mechanism's event(...)"
+            )
+        NOISE_MULTIPLIER.check("accounting_noise_multiplier", step.noise_multiplier)
+        NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if (self.placement == "distributed") != isinstance(step, distributed):
+            raise ValueError("a distributed release is placed 'distributed', and only it")
+        if self.adjacency is not self.adjacency.ADD_OR_REMOVE_ONE and self.sample_rate != 1:
+            raise ValueError("replace-one events are accounted without subsampling (q = 1)")
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+        if self.is_distributed:
+            if not (isinstance(step.dimension, int) and step.dimension >= 1):
+                raise ValueError(f"a distributed event needs its dimension, got {step.dimension!r}")
+            if not (step.tau >= 0 and math.isfinite(step.tau)):
+                raise ValueError(f"discrete_tau must be finite and >= 0, got {step.tau}")
+            sigma = step.noise_multiplier
+            if not (sigma > 0 and step.l2_scale * sigma >= 1 - 1e-12):
+                raise ValueError(
+                    "a distributed event's discrete_l2_scale must be at least "
+                    f"1 / accounting_noise_multiplier, got {step.l2_scale}"
+                )
+            if not (isinstance(step.noise_shares, int) and step.noise_shares >= 1):
+                raise ValueError("a distributed event needs its noise_shares >= 1")
+
+    @classmethod
+    def gaussian(
+        cls,
+        mechanism: str,
+        noise_multiplier: float,
+        sample_rate: float,
+        steps: int = 1,
+        accounting_noise_multiplier: float | None = None,
+        *,
+        adjacency: NeighboringRelation | str | None = None,
+        party: str = "",
+        round: int | None = None,
+        placement: str = "local",
+    ) -> PrivacyEvent:
+        """``steps`` Gaussian releases of noise multiplier ``accounting_noise_multiplier``
+        (the equivalent sensitivity-1 Gaussian's), each on a Poisson sample of rate
+        ``sample_rate`` (1: the whole data, no sampling)."""
+        if accounting_noise_multiplier is None:
             raise ValueError(
                 "a PrivacyEvent needs its accounting_noise_multiplier: build it with the "
                 "mechanism's event(...) (e.g. GEP.event(sigma, q)), which knows how many "
                 "vectors one step releases"
             )
-        NOISE_MULTIPLIER.check("accounting_noise_multiplier", sigma)
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.adjacency not in ADJACENCIES:
-            raise ValueError(f"adjacency must be one of {ADJACENCIES}, got {self.adjacency!r}")
-        if self.adjacency == "replace-one" and self.sample_rate != 1:
-            raise ValueError("replace-one events are accounted without subsampling (q = 1)")
-        PROBABILITY.check("sample_rate", self.sample_rate)
-        NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
-        if not (isinstance(self.steps, int) and self.steps >= 1):
-            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
-        if self.is_distributed:
-            if not (isinstance(self.dimension, int) and self.dimension >= 1):
-                raise ValueError(f"a distributed event needs its dimension, got {self.dimension!r}")
-            if not (self.discrete_tau >= 0 and math.isfinite(self.discrete_tau)):
-                raise ValueError(f"discrete_tau must be finite and >= 0, got {self.discrete_tau}")
-            if not (sigma > 0 and self.discrete_l2_scale * sigma >= 1 - 1e-12):
-                raise ValueError(
-                    "a distributed event's discrete_l2_scale must be at least "
-                    f"1 / accounting_noise_multiplier, got {self.discrete_l2_scale}"
-                )
-            if not (isinstance(self.noise_shares, int) and self.noise_shares >= 1):
-                raise ValueError("a distributed event needs its noise_shares >= 1")
-        elif self.discrete_l2_scale or self.discrete_tau or self.dimension or self.noise_shares:
-            raise ValueError("discrete_l2_scale, discrete_tau, dimension: distributed events only")
+        NOISE_MULTIPLIER.check("accounting_noise_multiplier", accounting_noise_multiplier)
+        release = _sampled(sample_rate, _dp().GaussianDpEvent(accounting_noise_multiplier))
+        return cls(mechanism, noise_multiplier, release, steps, adjacency, party, round, placement)
+
+    def as_distributed(
+        self, l2_scale: float, tau: float, dimension: int, noise_shares: int
+    ) -> PrivacyEvent:
+        """This Gaussian release as a distributed one: discrete Gaussian shares of
+        ``noise_shares`` sites summed over a quantised vector of ``dimension`` coordinates
+        (``DistributedDiscreteGaussianDpEvent``: one example's largest move over the noise std
+        of the sum, rounding included, ``l2_scale``; the divergence from one discrete
+        Gaussian, ``tau``)."""
+        step = _accountant().DistributedDiscreteGaussianDpEvent(
+            self.accounting_noise_multiplier, l2_scale, tau, dimension, noise_shares
+        )
+        return replace(self, release=_sampled(self.sample_rate, step), placement="distributed")
+
+    @property
+    def step(self) -> dp_accounting.DpEvent:
+        """The release without its sampling: the Gaussian or the distributed sum."""
+        return getattr(self.release, "event", self.release)
+
+    @property
+    def sample_rate(self) -> float:
+        """q, each example's independent chance to be in a step's batch (1.0: no sampling)."""
+        return getattr(self.release, "sampling_probability", 1.0)
+
+    @property
+    def accounting_noise_multiplier(self) -> float:
+        """The sigma of the equivalent sensitivity-1 Gaussian mechanism (GEP: sigma /
+        sqrt(2)): what enters the accountant."""
+        return self.step.noise_multiplier
 
     @property
     def is_distributed(self) -> bool:
         return self.placement == "distributed"
+
+    # A distributed release's parts (0 for any other): its DistributedDiscreteGaussianDpEvent's.
+    discrete_l2_scale = _distributed_part("l2_scale", 0.0)
+    discrete_tau = _distributed_part("tau", 0.0)
+    dimension = _distributed_part("dimension", 0)
+    noise_shares = _distributed_part("noise_shares", 0)
 
     def share_alone(self) -> PrivacyEvent:
         """A distributed release as it would be if this party's own share were seen alone
@@ -155,169 +261,146 @@ class PrivacyEvent:
         if not self.is_distributed:
             return self
         root = math.sqrt(self.noise_shares)
+        step = self.step
+        alone = type(step)(
+            step.noise_multiplier / root, step.l2_scale * root, 0.0, step.dimension, 1
+        )
         return replace(
             self,
             noise_multiplier=self.noise_multiplier / root,
-            accounting_noise_multiplier=self.accounting_noise_multiplier / root,
-            discrete_l2_scale=self.discrete_l2_scale * root,
-            discrete_tau=0.0,
-            noise_shares=1,
+            release=_sampled(self.sample_rate, alone),
         )
 
     def dp_event(self) -> dp_accounting.DpEvent:
-        dp = _dp()
-        if self.is_distributed:  # dp-accounting has no event for a subsampled sum of shares
-            return dp.UnsupportedDpEvent()
-        if self.accounting_noise_multiplier == 0:
-            return dp.NonPrivateDpEvent()
-        gaussian = dp.GaussianDpEvent(self.accounting_noise_multiplier)
-        single = (
-            gaussian
-            if self.sample_rate == 1
-            else dp.PoissonSampledDpEvent(self.sample_rate, gaussian)
-        )
-        return dp.SelfComposedDpEvent(single, self.steps)
+        """The dp-accounting event of all ``steps`` releases (``NonPrivateDpEvent`` without
+        noise). A distributed one is composed by ``accountant.RdpAccountant`` only."""
+        return _composed(self.release, self.steps)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The ledger file's flat record (its format since the first ledger)."""
+        return {
+            "mechanism": self.mechanism,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+            "accounting_noise_multiplier": self.accounting_noise_multiplier,
+            "party": self.party,
+            "round": self.round,
+            "placement": self.placement,
+            "adjacency": adjacency_name(self.adjacency),
+            "discrete_l2_scale": self.discrete_l2_scale,
+            "discrete_tau": self.discrete_tau,
+            "dimension": self.dimension,
+            "noise_shares": self.noise_shares,
+            "max_colluding_sites": self.max_colluding_sites,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> PrivacyEvent:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        """An event from the ledger file's flat record (``to_dict``)."""
+        unknown = set(data) - set(_RECORD_DEFAULTS) - set(_RECORD_REQUIRED)
         if unknown:
             raise ValueError(f"unknown privacy event fields: {sorted(unknown)}")
-        return cls(**data)
+        record = {**_RECORD_DEFAULTS, **data}
+        placement, distributed = record["placement"], record["placement"] == "distributed"
+        event = cls.gaussian(
+            record["mechanism"],
+            record["noise_multiplier"],
+            record["sample_rate"],
+            record["steps"],
+            record["accounting_noise_multiplier"],
+            adjacency=record["adjacency"],
+            party=record["party"],
+            round=record["round"],
+            placement="local" if distributed else placement,
+        )
+        shares = (record["discrete_l2_scale"], record["discrete_tau"], record["dimension"])
+        if distributed:
+            event = event.as_distributed(*shares, record["noise_shares"])
+        elif any(shares) or record["noise_shares"]:
+            raise ValueError(
+                "discrete_l2_scale, discrete_tau, dimension, noise_shares: distributed events only"
+            )
+        return replace(event, max_colluding_sites=record["max_colluding_sites"])
 
 
-def _merged(events: Iterable[PrivacyEvent]) -> list[tuple]:
-    """(accounting sigma, q, discrete l2 scale, tau, dimension, steps), consecutive equal
-    releases merged (faster PLD)."""
-    events = list(events)
-    if len({e.adjacency for e in events}) > 1:
+# The flat record's fields: those it always holds, the others with their defaults.
+_RECORD_REQUIRED = ("mechanism", "noise_multiplier", "sample_rate")
+_RECORD_DEFAULTS = {
+    "steps": 1,
+    "accounting_noise_multiplier": None,
+    "party": "",
+    "round": None,
+    "placement": "local",
+    "adjacency": "add-remove",
+    "discrete_l2_scale": 0.0,
+    "discrete_tau": 0.0,
+    "dimension": 0,
+    "noise_shares": 0,
+    "max_colluding_sites": 0,
+}
+
+
+def _sampled(sample_rate: float, step: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    PROBABILITY.check("sample_rate", sample_rate)
+    return step if sample_rate == 1 else _dp().PoissonSampledDpEvent(sample_rate, step)
+
+
+def _composed(release: dp_accounting.DpEvent, steps: int) -> dp_accounting.DpEvent:
+    dp = _dp()
+    if getattr(release, "event", release).noise_multiplier == 0:
+        return dp.NonPrivateDpEvent()
+    return dp.SelfComposedDpEvent(release, steps)
+
+
+def _relation(events: Sequence[PrivacyEvent]) -> NeighboringRelation:
+    """The one neighbouring relation of ``events`` (add-or-remove-one for none)."""
+    relations = {e.adjacency for e in events}
+    if len(relations) > 1:
         raise ValueError(
             "cannot compose events of different adjacency (add-remove and replace-one): "
             "their epsilons bound different neighbouring relations"
         )
+    return relations.pop() if relations else neighboring_relation(None)
+
+
+def _merged(events: Iterable[PrivacyEvent]) -> list[tuple[dp_accounting.DpEvent, int]]:
+    """(one step's release, steps), consecutive equal releases merged (faster PLD)."""
     merged: list[tuple] = []
     for e in events:
-        key = (
-            e.accounting_noise_multiplier,
-            e.sample_rate,
-            e.discrete_l2_scale,
-            e.discrete_tau,
-            e.dimension,
-        )
-        if merged and merged[-1][:5] == key:
-            merged[-1] = (*key, merged[-1][5] + e.steps)
+        if merged and merged[-1][0] == e.release:
+            merged[-1] = (e.release, merged[-1][1] + e.steps)
         else:
-            merged.append((*key, e.steps))
+            merged.append((e.release, e.steps))
     return merged
 
 
-def _gaussian_event(accounting_sigma: float, q: float, steps: int) -> PrivacyEvent:
-    return PrivacyEvent("gaussian", accounting_sigma, q, steps, accounting_sigma)
-
-
 def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
-    """The dp-accounting event of Gaussian releases (a distributed one has none)."""
+    """The dp-accounting event of ``events`` (all of one adjacency), consecutive equal
+    releases merged. A distributed release's part is composed by ``rdp_accountant`` only:
+    dp-accounting's own accountants do not support it."""
     events = list(events)
-    if any(e.is_distributed for e in events):
-        raise ValueError("distributed releases have no dp-accounting event: use epsilon_rdp")
-    parts = [_gaussian_event(sigma, q, steps).dp_event() for sigma, q, *_, steps in _merged(events)]
+    _relation(events)
+    parts = [_composed(release, steps) for release, steps in _merged(events)]
     return _dp().ComposedDpEvent(parts)
 
 
-@functools.lru_cache(maxsize=256)
-def _step_rdp(accounting_sigma: float, sample_rate: float) -> np.ndarray:
-    """dp-accounting's RDP curve (at ``RDP_ORDERS``) of one release, cached: composing
-    ``steps`` equal releases multiplies it by ``steps`` (RDP composes additively)."""
-    single = _gaussian_event(accounting_sigma, sample_rate, 1).dp_event()
-    curve = _dp().rdp.RdpAccountant(RDP_ORDERS).compose(single).rdp
-    curve.flags.writeable = False
-    return curve
+def rdp_accountant(adjacency: NeighboringRelation | str | None = None):
+    """The project's RDP accountant (``accountant.RdpAccountant``) at ``RDP_ORDERS``:
+    dp-accounting's, which also composes distributed releases."""
+    return _accountant().RdpAccountant(RDP_ORDERS, neighboring_relation(adjacency))
 
 
-@functools.lru_cache(maxsize=256)
 def distributed_step_rdp(l2_scale: float, tau: float, dimension: int, sample_rate: float):
     """The RDP curve (at ``RDP_ORDERS``) of one distributed discrete Gaussian release on a
-    Poisson sample of rate q.
-
-    Unsampled, it is the smaller of two zCDP curves (Kairouz, Liu & Steinke 2021, Thm. 1 and
-    Prop. 14): ``alpha l^2 / 2 + tau d`` and ``alpha (l + tau sqrt(d))^2 / 2``, each composed
-    by dp-accounting's ``ZCDpEvent``. Subsampled, it is the exact binomial expansion of the
-    "remove" direction at integer orders (``_poisson_subsampled``), which also bounds the
-    "add" direction because the noise is symmetric. Between integer orders, ``(a - 1) RDP(a)``
-    is interpolated linearly (it is convex in a); below order 2 it takes order 2's value.
-    """
-
-    def unsampled(orders: np.ndarray) -> np.ndarray:
-        dp = _dp()
-        accountant = functools.partial(dp.rdp.RdpAccountant, list(map(float, orders)))
-        plain = accountant().compose(dp.ZCDpEvent(l2_scale**2 / 2, tau * dimension))
-        spread = (l2_scale + tau * math.sqrt(dimension)) ** 2 / 2
-        return np.minimum(plain.rdp, accountant().compose(dp.ZCDpEvent(spread)).rdp)
-
-    curve = unsampled(np.asarray(RDP_ORDERS))
-    if sample_rate < 1:  # amplified up to order 256 (the cost grows with its square)
-        integers = np.arange(2, SUBSAMPLED_MAX_ORDER + 1)
-        at = dict(zip(integers.tolist(), unsampled(integers), strict=True))
-        amplified = np.array([_poisson_subsampled(a, sample_rate, at) for a in at])
-        # (a - 1) RDP(a) is convex in a (a log-moment), so between integers it lies below the
-        # chord; below 2 the chord from a = 1 (where it is 0) gives RDP(2).
-        orders = np.asarray(RDP_ORDERS)
-        chord = np.interp(orders, integers, (integers - 1) * amplified)
-        sampled = np.where(
-            orders <= SUBSAMPLED_MAX_ORDER,
-            np.where(orders < 2, amplified[0], chord / np.maximum(orders - 1, 1e-12)),
-            math.inf,
-        )
-        curve = np.minimum(curve, sampled)
-    curve.flags.writeable = False
-    return curve
-
-
-def _poisson_subsampled(order: int, q: float, rdp_at: dict) -> float:
-    """RDP at integer ``order`` of a symmetric-noise mechanism on a Poisson sample of rate q,
-    from its RDP ``rdp_at[l]`` at the integers 2..order:
-    ``log(sum_{l=0..a} C(a,l) (1-q)^(a-l) q^l e^((l-1) eps(l))) / (a - 1)``, where the terms
-    l = 0, 1 carry E_Q[r^l] = 1 (computed in log space).
-
-    Write Q for the output's law without the example, P with it (always in the sample),
-    r = P/Q, M = (1-q)Q + qP. *Remove*: E_Q[(1 - q + q r)^a] expands binomially, and
-    E_Q[r^l] = e^((l-1) D_l(P||Q)) <= e^((l-1) eps(l)): the sum above, term by term (Zhu &
-    Wang, ICML 2019, Sec. 3, without their Theorem 5's factor 3, which covers any mechanism).
-    *Add*: D_a(Q||M) <= D_a(M||Q) when Q and P are mirror images, Q(R x) = P(x) for an
-    involution R (noise symmetric about zero, shifted by the example: R x = 2c + v - x). On a
-    pair {x, R x} with ratio r at x (so 1/r and weight r Q(x) at R x), the remove minus the add
-    moment is ``Q(x) [psi(s) + r psi(-s/r)]`` with ``s = q (r - 1)`` and
-    ``psi(u) = (1+u)^a - (1+u)^(1-a)``; it is >= 0: for r > 1 set w = s/r, then
-    ``K(r) = psi(r w) + r psi(-w)`` is convex in r (psi'' >= 0 on u >= 0), vanishes at q = 1
-    (r = 1/(1-w): the two directions are equal there) and has slope ``y^(1-a) L(y)`` there,
-    with y = 1 - w and
-    ``L(y) = (a-1) - a y + a y^(2a-1) - (a-1) y^(2a)``, convex on (0, 1] with L(1) = L'(1) = 0;
-    r < 1 is the pair seen from R x. Rounding, modular reduction and the mixture over samples
-    are post-processing or handled by joint convexity, as for the Gaussian.
-    """
-    from scipy.special import gammaln, logsumexp
-
-    ls = np.arange(order + 1)
-    log_comb = gammaln(order + 1) - gammaln(ls + 1) - gammaln(order - ls + 1)
-    eps = np.array([0.0, 0.0] + [rdp_at[int(l_)] for l_ in ls[2:]])
-    terms = log_comb + (order - ls) * math.log1p(-q) + ls * math.log(q) + (ls - 1) * eps
-    return float(logsumexp(terms)) / (order - 1)
+    Poisson sample of rate q (``accountant.distributed_rdp``)."""
+    return _accountant().distributed_rdp(l2_scale, tau, dimension, sample_rate, RDP_ORDERS)
 
 
 def rdp_curve(events: Sequence[PrivacyEvent]) -> np.ndarray:
-    """The RDP curve (at ``RDP_ORDERS``) of the composition of ``events``; ``inf``
-    everywhere when a release has no noise."""
-    total = np.zeros(len(RDP_ORDERS))
-    for sigma, q, scale, tau, dimension, steps in _merged(events):
-        if sigma == 0:
-            return np.full(len(RDP_ORDERS), math.inf)
-        curve = distributed_step_rdp(scale, tau, dimension, q) if dimension else _step_rdp(sigma, q)
-        total = total + steps * curve
-    return total
+    """The RDP curve (at ``RDP_ORDERS``) of the composition of ``events`` by the project's
+    accountant; ``inf`` everywhere when a release has no noise."""
+    return rdp_accountant(_relation(events)).compose(compose(events)).rdp
 
 
 def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
@@ -333,16 +416,23 @@ def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
 
 
 def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
-    """Epsilon at ``delta`` by privacy loss distributions (tighter than RDP); NaN when a
-    release is distributed (dp-accounting has no PLD for a sum of discrete Gaussian shares
-    over many coordinates: those are accounted by RDP only)."""
+    """Epsilon at ``delta`` by privacy loss distributions (tighter than RDP); NaN when
+    dp-accounting's PLD accountant does not support a release: a distributed one (it has no
+    PLD for a sum of discrete Gaussian shares over many coordinates: those are accounted by
+    RDP only).
+
+    The accountant is add-or-remove-one's whatever the events' relation: a replace-one
+    event's Gaussian is of sensitivity 1 between replace-one neighbours (as the RDP
+    accountant reads it under either relation), i.e. the add-or-remove PLD of a shift of 1;
+    dp-accounting's PLD under ``REPLACE_ONE`` would shift by 2."""
     _check_delta(delta)
     if not events:
         return 0.0
-    if any(e.is_distributed for e in events):
-        return math.nan
+    event = compose(events)
     accountant = _dp().pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
-    return float(accountant.compose(compose(events)).get_epsilon(delta))
+    if not accountant.supports(event):
+        return math.nan
+    return float(accountant.compose(event).get_epsilon(delta))
 
 
 def pld_text(epsilon: float, digits: int = 4) -> str:
@@ -401,7 +491,7 @@ def calibrate(
     def eps(sigma: float) -> float:
         return epsilon_rdp([event_for(sigma)], delta)
 
-    if event_for(1.0).is_distributed:  # no dp-accounting event: bisect on the RDP epsilon
+    if event_for(1.0).is_distributed:  # the figure's root by bisection (see below)
         return _bisect(eps, target_epsilon, tol, event_for)
     best = eps(MAX_NOISE_MULTIPLIER)
     if best > target_epsilon:
@@ -413,9 +503,12 @@ def calibrate(
         )
     if eps(MIN_NOISE_MULTIPLIER) <= target_epsilon:
         return MIN_NOISE_MULTIPLIER
-    dp = _dp()
+    # Gaussian releases: dp-accounting's calibration (Brent's method) with the project's
+    # accountant; distributed ones keep the bisection above, on the same accountant's epsilon
+    # (their curve is a minimum of two and interpolated between orders).
+    dp, relation = _dp(), event_for(1.0).adjacency
     sigma = dp.calibrate_dp_mechanism(
-        lambda: dp.rdp.RdpAccountant(RDP_ORDERS),
+        lambda: rdp_accountant(relation),
         lambda s: event_for(s).dp_event(),
         target_epsilon,
         delta,

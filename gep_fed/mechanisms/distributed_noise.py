@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -152,13 +152,11 @@ def distributed_event(
 ) -> PrivacyEvent:
     """``event`` (a mechanism's Gaussian event at sigma, ``releases`` vectors per step) as a
     distributed discrete Gaussian release of a quantised vector of ``dimension`` coordinates."""
-    return replace(
-        event,
-        placement="distributed",
-        discrete_l2_scale=noise.l2_scale(event.noise_multiplier, releases, dimension),
-        discrete_tau=noise.tau(event.noise_multiplier),
-        dimension=dimension,
-        noise_shares=noise.noise_shares,
+    return event.as_distributed(
+        noise.l2_scale(event.noise_multiplier, releases, dimension),
+        noise.tau(event.noise_multiplier),
+        dimension,
+        noise.noise_shares,
     )
 
 

@@ -95,7 +95,7 @@ def single_pass_noise_multiplier(
 
 def single_pass_event(noise_multiplier: float, party: str = "") -> PrivacyEvent:
     """The single-pass release: the last iterate, private against replacing one example."""
-    return PrivacyEvent(
+    return PrivacyEvent.gaussian(
         "langevin",
         noise_multiplier,
         1.0,
@@ -219,7 +219,9 @@ def multi_pass_events(
         sensitivity = (1 - shrink) * eta * c.grad_bound / c.batch
         sigma = _round_down(math.sqrt(shrink * (2 - shrink) * c.beta0) / sensitivity)
         events.append(
-            PrivacyEvent("langevin", sigma, q, 1, accounting_noise_multiplier=sigma, party=party)
+            PrivacyEvent.gaussian(
+                "langevin", sigma, q, 1, accounting_noise_multiplier=sigma, party=party
+            )
         )
     return events
 

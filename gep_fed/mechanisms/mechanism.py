@@ -157,7 +157,7 @@ class Mechanism(ABC):
         also releases a noised count of examples within the residual clip). A run's events
         come from its contract (``PrivacyContract.events``); calibration asks this for any
         candidate sigma."""
-        return PrivacyEvent(
+        return PrivacyEvent.gaussian(
             cls.name,
             noise_multiplier,
             sample_rate,
