@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import standard_table
 from common import RESULTS, SHARED_DATA
 from standard_table import fmt_setting
+from warm_refresh import warm_steps
 
 from gep_fed import GEPConfig, PrivacyContract
 from gep_fed.accounting import epsilon_pld, epsilon_rdp
@@ -183,6 +184,12 @@ LEVERS = {
         {"refresh": 2},
         {"refresh": 1},  # the GEP paper's: a subspace every step
         {"param_groups": "one"},
+        # issue 54: a cheap fresh subspace: the power method started from the last basis
+        # (one pass), and with the previous refreshes' anchor covariance carried (memory)
+        # so that a refresh can use a fifth of the anchors (benchmarks/warm_refresh.py)
+        {"refresh": 5, "warm_memory": 0.0},
+        {"refresh": 5, "anchors": 200, "warm_memory": 0.8},
+        {"refresh": 5, "anchors": 200},
         {"s2_ratio": 0.3},
         # issue 54: the paper's residual clip ratio (0.2) and below; GEP's noise relative to
         # DP-SGD's is about 2 (k/p + (S2/S1)^2) when every example is clipped in both parts
@@ -799,24 +806,27 @@ def run_one(args, data: Data, method: str, setting: dict, stage: str) -> dict:
             if protocol != "paper":
                 if saves.path.exists():
                     print(f"  resuming from {saves.path}", flush=True)
-                result = train_private(
-                    model,
-                    x,
-                    y,
-                    data.public,
-                    config,
-                    steps,
-                    opt,
-                    delta=DELTA,
-                    generator=torch.Generator().manual_seed(args.seed),
-                    noise=NoiseSource(args.seed + 1),
-                    public_labels=data.labels["public"] if args.anchor_labels == "true" else None,
-                    average_iterates=setting.get("ema"),
-                    multiplicity=augmentation,
-                    evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
-                    on_step=clock.tick,
-                    checkpoint=saves,
-                )
+                with warm_steps(setting.get("warm_memory")):
+                    result = train_private(
+                        model,
+                        x,
+                        y,
+                        data.public,
+                        config,
+                        steps,
+                        opt,
+                        delta=DELTA,
+                        generator=torch.Generator().manual_seed(args.seed),
+                        noise=NoiseSource(args.seed + 1),
+                        public_labels=data.labels["public"]
+                        if args.anchor_labels == "true"
+                        else None,
+                        average_iterates=setting.get("ema"),
+                        multiplicity=augmentation,
+                        evaluate_fn=lambda m: evaluate(m, eval_xy, "multiclass"),
+                        on_step=clock.tick,
+                        checkpoint=saves,
+                    )
                 accuracy, ledger = result.accuracy, result.ledger
                 if result.resumed_at:  # the seconds and the pace are of the later steps only
                     rec["resumed_at_step"] = result.resumed_at

@@ -96,6 +96,8 @@ def fmt_setting(method: str, s: dict) -> str:
         parts.append(f"wd={s['wd']:g}")
     if s.get("lr_wd"):
         parts.append(f"wd={s['lr_wd'] / s['lr']:.3g} (lr x wd = {s['lr_wd']:g})")
+    if s.get("warm_memory") is not None:
+        parts.append(f"warm-started subspace (memory {s['warm_memory']:g})")
     if s.get("param_groups"):
         parts.append(f"groups={s['param_groups']}")
     if s.get("past"):
@@ -380,7 +382,7 @@ def write_sweep_plot(rows: list[dict], path: Path, title: str) -> Path:
 
 # Issue 54's levers: GEP's residual clip ratio, weight decay scaled with the step size, and
 # how often the subspace is recomputed
-ISSUE54_KNOBS = frozenset({"s2_ratio", "lr_wd", "refresh"})
+ISSUE54_KNOBS = frozenset({"s2_ratio", "lr_wd", "refresh", "anchors", "warm_memory"})
 
 
 def _issue54(r: dict) -> bool:

@@ -196,3 +196,28 @@ def test_the_tables_show_the_levers_and_keep_the_paper_protocol_apart(tmp_path):
     assert "| paper | gep |" in paper_part and "| honest | gep |" in paper_part
     assert "89.70 (17)" in paper_part
     assert "+0.90 points from protocol alone" in paper_part
+
+
+def test_a_warm_refresh_lever_trains_with_the_warm_step_and_restores_the_library_step():
+    import warm_refresh
+
+    import gep_fed.training
+    from gep_fed import GEPConfig, PrivacyContract
+    from gep_fed.training import OptimizerConfig, train_private
+
+    assert {"refresh": 5, "anchors": 200, "warm_memory": 0.8} in standard.LEVERS["gep"]
+    torch.manual_seed(0)
+    x, y, public = torch.randn(64, 6), torch.randint(3, (64,)), torch.randn(20, 6)
+    config = GEPConfig(
+        PrivacyContract("gep", 1.0, 0.25, 1.0, 0.5), num_basis=4, num_anchors=8, basis_refresh=2
+    )
+    seen = []
+    original = gep_fed.training.GEPStep
+    with warm_refresh.warm_steps(0.5):
+        train_private(
+            torch.nn.Linear(6, 3), x, y, public, config, 6, OptimizerConfig(lr=0.1),
+            generator=torch.Generator().manual_seed(0),
+            on_step=lambda i, step: seen.append((type(step).memory, step._warm is not None)),
+        )  # fmt: skip
+    assert gep_fed.training.GEPStep is original
+    assert seen == [(0.5, True)] * 6

@@ -39,6 +39,24 @@ class AnchorSet:
 
 
 @dataclass(frozen=True)
+class WarmStart:
+    """What a subspace computation leaves for the next one to start from (public values only):
+    the bases and, per group, the power method's estimate of the anchors' mean squared
+    gradient along each basis vector (``|diag R| / m`` of its last QR step).
+
+    ``compute_anchor_subspace(..., previous=warm)`` starts the power method from these bases
+    instead of a Gaussian matrix: subspace iteration continued across refreshes, so that one
+    pass per refresh converges as the model moves slowly. With ``memory`` > 0 the anchors'
+    gradient covariance of the previous refreshes is carried too (``memory`` times
+    ``B diag(scales) B^T`` added to this refresh's ``G^T G / m``): a refresh can then use
+    fewer anchors than basis vectors would need alone, as streaming PCA does."""
+
+    subspace: AnchorSubspace
+    # None after a cold start: the next start estimates them on its own anchors
+    scales: tuple[torch.Tensor, ...] | None
+
+
+@dataclass(frozen=True)
 class AnchorResult:
     """A computed subspace and what was measured on the anchors along the way.
 
@@ -58,6 +76,7 @@ class AnchorResult:
     clip_residual: float | None
     seconds: float
     anchors: AnchorSet | None = None
+    warm: WarmStart | None = None
 
 
 class _AnchorGradients:
@@ -118,6 +137,8 @@ def compute_anchor_subspace(
     generator: torch.Generator | None = None,
     measure: bool = False,
     with_coefficients: bool = False,
+    previous: WarmStart | None = None,
+    memory: float = 0.0,
 ) -> AnchorResult:
     """The anchor subspace of ``model`` at its current parameters.
 
@@ -134,7 +155,20 @@ def compute_anchor_subspace(
         with_coefficients: also return the anchors and the basis' coefficients in their
             gradients (``AnchorResult.anchors``), from which ``rebuild_anchor_subspace``
             rebuilds the basis.
+        previous: the last computation's ``AnchorResult.warm``: the power method starts
+            from its bases instead of a random matrix (ignored when the layout or the basis
+            sizes differ). Public values only, so no privacy cost.
+        memory: with ``previous``, the weight of the previous refreshes' anchor covariance
+            (``WarmStart``); 0 (the default) uses this refresh's anchors alone. Not with
+            ``with_coefficients``, and no Gram groups (``factored_layers``): a carried
+            covariance has no coefficients in this refresh's anchors. The result's
+            ``warm`` is what the next computation starts from (no extra cost: the bases
+            and the last QR step's diagonal).
     """
+    if memory < 0:
+        raise ValueError(f"memory must be >= 0, got {memory}")
+    if memory and with_coefficients:
+        raise ValueError("memory > 0 has no coefficients in the anchors' gradients")
     began = time.perf_counter()
     device = next(model.parameters()).device
     m_total = public_inputs.shape[0]
@@ -168,18 +202,28 @@ def compute_anchor_subspace(
     anchors = None
     gram_weights = (
         planned_gram_weights(model, inputs[:1].to(device), layout, dims, m)
-        if config.engine == "layers" and config.factored_layers
-        else frozenset()
+        if config.engine == "layers" and config.factored_layers and not memory
+        else frozenset()  # a carried covariance has no coefficients to build Gram groups from
     )
-    subspace, coefficients = power_method_subspace(
-        grads,
-        layout,
-        dims,
-        config.power_iterations,
-        generator=generator,
-        device=device,
-        with_coefficients=True,
-    )
+    if previous is not None and (
+        previous.subspace.layout.names != layout.names or previous.subspace.dims != dims
+    ):
+        previous = None  # another model or basis size: a cold start
+    if previous is None:
+        subspace, coefficients = power_method_subspace(
+            grads,
+            layout,
+            dims,
+            config.power_iterations,
+            generator=generator,
+            device=device,
+            with_coefficients=True,
+        )
+        scales = None
+    else:
+        subspace, coefficients, scales = warm_power_method(
+            grads, layout, previous, config.power_iterations, memory, m
+        )
     if gram_weights:
         subspace, coefficients = with_gram_groups(
             model,
@@ -210,8 +254,49 @@ def compute_anchor_subspace(
             # A zero quantile (e.g. all-zero anchor gradients) cannot serve as a clip norm.
             tiny = 1e-6
             clip_e, clip_r = max(clip_e, tiny), max(clip_r, tiny)
+    warm = WarmStart(AnchorSubspace(layout, subspace.bases), scales)
     seconds = time.perf_counter() - began
-    return AnchorResult(subspace, projection_error, clip_e, clip_r, seconds, anchors)
+    return AnchorResult(subspace, projection_error, clip_e, clip_r, seconds, anchors, warm)
+
+
+def warm_power_method(
+    gradient_chunks, layout: ParameterLayout, previous: WarmStart, passes: int, memory: float, m
+) -> tuple[AnchorSubspace, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``power_method_subspace`` started from ``previous``' bases: each pass computes
+    ``L <- orth((G_g^T G_g / m + memory B diag(s) B^T) L)`` (``B``, ``s``: the previous bases
+    and scales) with ``G_g`` streamed in chunks. Returns the subspace, the coefficients of its
+    bases in the anchors' gradients (``C = Y R^-1 / m``, as ``power_method_subspace`` gives
+    them; meaningful when ``memory`` is 0) and the scales of the new bases (``|diag R|``)."""
+    bases = tuple(b.to(torch.float32) for b in previous.subspace.bases)
+    current = list(bases)
+    cols = [slice(g.start, g.stop) for g in layout.groups]
+    for step in range(passes):
+        acc = [torch.zeros_like(c) for c in current]
+        last = step == passes - 1
+        products: list[list[torch.Tensor]] = [[] for _ in cols]
+        along = [torch.zeros(c.shape[1], dtype=c.dtype, device=c.device) for c in current]
+        for chunk in gradient_chunks():
+            for g, sl in enumerate(cols):
+                block = chunk[:, sl]
+                y = block @ current[g]
+                acc[g].addmm_(block.T, y, alpha=1.0 / m)
+                if last:
+                    products[g].append(y)
+                if step == 0:  # along the previous bases: their scales if none were kept
+                    along[g] += (y * y).sum(0)
+        if step == 0:
+            carried = previous.scales or tuple(a / m for a in along)
+        if memory:
+            for g, (b, s) in enumerate(zip(bases, carried, strict=True)):
+                acc[g].addmm_(b * (memory * s.to(b)), b.T @ current[g])
+        factors = [torch.linalg.qr(a) for a in acc]
+        current = [f.Q for f in factors]
+    coefficients = tuple(
+        torch.linalg.solve_triangular(f.R * m, torch.cat(y), upper=True, left=False)
+        for f, y in zip(factors, products, strict=True)
+    )
+    scales = tuple(torch.diagonal(f.R).abs() for f in factors)
+    return AnchorSubspace(layout, tuple(current)), coefficients, scales
 
 
 def rebuild_anchor_subspace(
