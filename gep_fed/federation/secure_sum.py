@@ -316,3 +316,49 @@ def unmasked_sum(vectors: Sequence[np.ndarray]) -> np.ndarray | None:
 
 def _u64(value: int) -> bytes:
     return int(value).to_bytes(8, "big", signed=False)
+
+
+# -- the stages' records (Flower-free: gep_fed.flower.secure_sum builds Flower's) -------------
+
+SECURE_SUM = "secure-sum"  # the config record of a secure-sum stage (and of its reply)
+MASKED_SHARE = "masked-share"  # the collect stage's array record
+ADVERTISE, COLLECT = "advertise", "collect"
+SIGNED_KEY_BYTES = 2 * KEY_BYTES + SIGNATURE_BYTES
+
+
+def stage_config(stage: str, round_: int, keys: Sequence[SignedKey] | None = None) -> dict:
+    """A stage's config record: its name, its round and (collect) every listed key."""
+    record: dict = {"stage": stage, "round": round_}
+    if keys is not None:
+        record["keys"] = [b"".join(k.as_list()) for k in keys]
+    return record
+
+
+def read_keys(record: Mapping) -> list[SignedKey]:
+    """The collect stage's signed keys (``ValueError`` when malformed)."""
+    raw = record.get("keys")
+    if not (
+        isinstance(raw, list)
+        and all(isinstance(b, bytes) and len(b) == SIGNED_KEY_BYTES for b in raw)
+    ):
+        raise ValueError("the collect stage's keys must be 128-byte signed keys")
+    return [SignedKey(b[:32], b[32:64], b[64:]) for b in raw]
+
+
+def read_signed_key(record: Mapping) -> SignedKey | None:
+    """An advertise reply's signed key (None when malformed)."""
+    raw = record.get("signed-key")
+    if isinstance(raw, bytes) and len(raw) == SIGNED_KEY_BYTES:
+        return SignedKey(raw[:32], raw[32:64], raw[64:])
+    return None
+
+
+def read_masked_share(record: Mapping | None) -> np.ndarray:
+    """A collect reply's masked share (its ``MASKED_SHARE`` array record) as int64
+    (``ValueError`` naming what is malformed)."""
+    if record is None or list(record) != [MASKED_SHARE]:
+        raise ValueError(f"{MASKED_SHARE} must hold one array")
+    array = record[MASKED_SHARE]
+    if array.dtype != "uint32" or len(array.shape) != 1:
+        raise ValueError(f"{MASKED_SHARE} must be a vector of uint32 (got {array.dtype})")
+    return array.numpy().astype(np.int64)

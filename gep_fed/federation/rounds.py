@@ -1,0 +1,690 @@
+"""The round loop of a federation, over any grid (no Flower).
+
+A grid (``RoundGrid``) sends each site its request and returns the sites' replies, as plain
+records (``Envelope``: array, config and metric records by name, in order). Flower's Grid is
+one (``gep_fed.flower.grid.FlowerGrid``, which ``GEPStrategy`` uses); an in-process one
+that calls the sites directly is another.
+
+One round, step by step (each a method of ``RoundLoop``, to override one at a time):
+
+1. ``within_budget``: stop before a round that would exceed the privacy budget;
+2. ``configure_round``: the anchor subspace (when due), and the global model, the round
+   config and (to a site that does not hold it) the basis for every site;
+3. ``train_round``: send and collect. Central and client mode: one exchange, then
+   ``aggregate``: ``validate_reply`` each reply (a bad one is rejected, named in the log and
+   in the round's record, and the round goes on with the others) and step the model
+   (central noise once on the sum, or the mean of the sites' noisy deltas). Distributed
+   mode: ``secure_aggregate``, the secure sum's named stages (``SecureSumRound``: advertise
+   keys, collect masked shares, add them up), decoded and stepped like central mode;
+4. ``round_record``: evaluate on the server's data, keep the best model, the privacy
+   spent and what the round sent, received and rejected;
+5. ``run``: append the record to the run directory (the server committed the round's
+   checkpoint and ledger when it stepped) and report it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from gep_fed.accounting.ledger import BudgetExceededError
+from gep_fed.federation import wire
+from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.rundir import CONFIG, RunDirectory
+from gep_fed.federation.secure_sum import (
+    ADVERTISE,
+    COLLECT,
+    MASKED_SHARE,
+    SECURE_SUM,
+    SignedKey,
+    read_masked_share,
+    read_signed_key,
+    stage_config,
+    unmasked_sum,
+)
+from gep_fed.federation.server import FederationServer
+
+log = logging.getLogger("gep_fed.server")
+
+# The fingerprint of the initial model a run started from: a resume must start from the same.
+INITIAL_MODEL = "initial-model.json"
+INITIAL_SHA256 = "initial-arrays-sha256"  # null: the task's model, seeded by the run's seed
+
+
+# -- what a grid carries ---------------------------------------------------------------------
+
+
+class Arrays(dict):
+    """An array record: name -> array (numpy to send; a ``wire.WireArray`` received)."""
+
+
+class Config(dict):
+    """A config record: name -> int, float, str, bytes, bool or a list of one of them."""
+
+
+class Metrics(dict):
+    """A metric record: name -> int or float."""
+
+
+@dataclass
+class Envelope:
+    """A message's records by name, in the order they travel."""
+
+    records: dict[str, Arrays | Config | Metrics] = field(default_factory=dict)
+
+    def _get(self, name: str, kind: type):
+        record = self.records.get(name)
+        return record if isinstance(record, kind) else None
+
+    def arrays(self, name: str) -> Arrays | None:
+        return self._get(name, Arrays)
+
+    def config(self, name: str) -> Config | None:
+        return self._get(name, Config)
+
+    def metrics(self, name: str) -> Metrics | None:
+        return self._get(name, Metrics)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the server sends one site (a train message)."""
+
+    node: int
+    content: Envelope
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A site's reply: its content, or an error code (a refusal's, or the transport's)."""
+
+    node: int
+    content: Envelope | None = None
+    error: int | None = None
+    run_id: int = 0
+
+
+class RoundGrid(Protocol):
+    """The sites, as the round loop sees them."""
+
+    sent: int  # payload bytes sent so far
+    received: int  # payload bytes received so far
+
+    def node_ids(self) -> list[int]: ...
+
+    def exchange(
+        self, requests: Sequence[Request], *, group_id: str | None, timeout: float | None
+    ) -> list[Reply]:
+        """Send every request; return the replies that came (any order; a silent site's
+        missing, a site's twice if it answered twice). ``group_id``: the messages' group
+        (the round of a secure-sum stage; None for a plain round)."""
+        ...
+
+
+# -- the secure sum's stages ---------------------------------------------------------------
+
+
+@dataclass
+class SecureSumResult:
+    """A secure sum's outcome. ``modular_sum`` is None when the round was abandoned."""
+
+    modular_sum: np.ndarray | None
+    survivors: list[int]
+    replies: dict[int, Reply]
+    failures: list[str] = field(default_factory=list)
+
+
+class SecureSumRound:
+    """One secure sum of the sites' shares, the server's side, in named stages.
+
+    The protocol is ``gep_fed.federation.secure_sum`` (pairwise masks over every pair of the
+    round's sites, agreement keys signed by pinned site keys, no dropout recovery). The
+    first two steps are train messages whose ``SECURE_SUM`` config record names the stage;
+    the last two are the server's own (there is no unmask stage: no site is ever asked for a
+    secret):
+
+    1. ``advertise_keys``: every site answers with its signed agreement key for the round;
+    2. ``collect_masked_shares``: every site that advertised gets the round's train content
+       and the list of signed keys, and answers with its masked share (uint32);
+    3. ``accepted_shares``: each listed site's reply checked and its share read;
+    4. ``sum_shares``: the masked shares added; the masks cancel only when every listed
+       site's share is in the sum, so a round with a silent or rejected site is abandoned
+       with nothing revealed.
+
+    Args:
+        grid: the sites.
+        round_: the round the sites' signatures name (with the replies' run id).
+        bits: the shares' modulus ``2**bits`` (divides ``2**32``).
+        needed: abandon before the collect stage when fewer sites advertise a valid key.
+        timeout: seconds per stage.
+    """
+
+    def __init__(
+        self, grid: RoundGrid, round_: int, bits: int, needed: int, *, timeout: float | None
+    ) -> None:
+        self.grid, self.round = grid, round_
+        self.bits, self.needed, self.timeout = bits, needed, timeout
+        self.failures: list[str] = []
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        accept: Callable[[int, Reply], str | None],
+    ) -> SecureSumResult:
+        """Sum the shares the sites compute from ``requests`` (the round's train content
+        per site). ``accept(node, reply)`` checks a collect reply's metadata and returns why
+        it is rejected (None: accepted); a rejected reply abandons the round."""
+        contents = {r.node: r.content for r in requests}
+        keys = self.advertise_keys(sorted(contents))
+        if len(keys) < self.needed:
+            self.failures.append(
+                f"{len(keys)} sites advertised a key, {self.needed} needed: round abandoned"
+            )
+            return SecureSumResult(None, sorted(keys), {}, self.failures)
+        replies = self.collect_masked_shares(keys, contents)
+        shares = self.accepted_shares(keys, replies, accept)
+        total = self.sum_shares(keys, shares)
+        return SecureSumResult(
+            total, sorted(shares), {} if total is None else replies, self.failures
+        )
+
+    def advertise_keys(self, nodes: list[int]) -> dict[int, SignedKey]:
+        """Stage 1: each site's signed agreement key (those that verify)."""
+        stage = [
+            Request(n, Envelope({SECURE_SUM: Config(stage_config(ADVERTISE, self.round))}))
+            for n in nodes
+        ]
+        replies = self._exchange(stage)
+        keys: dict[int, SignedKey] = {}
+        for node in nodes:
+            reply = replies.get(node)
+            why = self._answered(node, reply, ADVERTISE)
+            if why is None:
+                key = read_signed_key(reply.content.config(SECURE_SUM))
+                if key is None or not key.verified(reply.run_id, self.round):
+                    why = "its signed key is malformed or not signed for this round"
+                elif any(k.site_key == key.site_key for k in keys.values()):
+                    why = "its site key is another node's"
+            if why is not None:
+                self.failures.append(f"site at node {node}: {why}")
+            else:
+                keys[node] = key
+        return keys
+
+    def collect_masked_shares(
+        self, keys: Mapping[int, SignedKey], contents: Mapping[int, Envelope]
+    ) -> dict[int, Reply]:
+        """Stage 2: the round's train content and every listed key, to every listed site."""
+        listed = [keys[n] for n in sorted(keys)]
+        stage = []
+        for node in keys:
+            content = contents[node]
+            content.records[SECURE_SUM] = Config(stage_config(COLLECT, self.round, listed))
+            stage.append(Request(node, content))
+        return self._exchange(stage)
+
+    def accepted_shares(
+        self,
+        keys: Mapping[int, SignedKey],
+        replies: Mapping[int, Reply],
+        accept: Callable[[int, Reply], str | None],
+    ) -> dict[int, np.ndarray]:
+        """Stage 3: each listed site's masked share, where its reply is accepted."""
+        shares = {}
+        for node in keys:
+            why = self._answered(node, replies.get(node), COLLECT)
+            if why is None:
+                why = accept(node, replies[node])
+            if why is None:
+                try:
+                    shares[node] = read_masked_share(replies[node].content.arrays(MASKED_SHARE))
+                except ValueError as err:
+                    why = str(err)
+            if why is not None:
+                self.failures.append(f"site at node {node}: {why}")
+        return shares
+
+    def sum_shares(
+        self, keys: Mapping[int, SignedKey], shares: Mapping[int, np.ndarray]
+    ) -> np.ndarray | None:
+        """Stage 4: the sum of the shares modulo ``2**bits``, or None (the round abandoned,
+        nothing revealed) unless every listed site's share is there and the masks cancel."""
+        if len(shares) < len(keys):
+            self.failures.append(
+                f"{len(keys) - len(shares)} of the {len(keys)} sites' shares are missing: "
+                "their masks cannot cancel, round abandoned with nothing revealed"
+            )
+            return None
+        if len({v.shape for v in shares.values()}) != 1:
+            self.failures.append("the sites' masked shares differ in length: round abandoned")
+            return None
+        total = unmasked_sum([shares[n] for n in sorted(shares)])
+        if total is None:
+            self.failures.append("the masks did not cancel (the sites' lists differ): abandoned")
+            return None
+        # 2**bits divides 2**32, so the sum modulo 2**32 reduces to the sum modulo 2**bits
+        return total % (1 << self.bits)
+
+    def _answered(self, node: int, reply: Reply | None, stage: str) -> str | None:
+        """Why a stage's reply is unusable (None: it has the stage's record)."""
+        if reply is None:
+            return f"no {stage} reply"
+        if reply.error is not None:  # a refusal's fixed text, never the reply's own
+            return f"{stage}: {wire.describe_error(reply.error, None)}"
+        if stage == ADVERTISE and reply.content.config(SECURE_SUM) is None:
+            return f"{stage} reply without {SECURE_SUM}"
+        return None
+
+    def _exchange(self, requests: list[Request]) -> dict[int, Reply]:
+        """The first reply of each node asked."""
+        asked = {r.node for r in requests}
+        replies: dict[int, Reply] = {}
+        for reply in self.grid.exchange(requests, group_id=str(self.round), timeout=self.timeout):
+            if reply.node in asked and reply.node not in replies:
+                replies[reply.node] = reply
+        return replies
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def open_server(fed: FederationConfig, run_id: int | str) -> FederationServer:
+    """The federation server for ``fed``: its run directory (new, or resumed if it has a
+    checkpoint and was started with the same settings), the task's public anchors and server
+    test set, its noise and ledger. ``run_id`` names the run directory when ``fed.run_name``
+    is empty. Raises ``ValueError`` when the run directory was started with other settings."""
+    run = RunDirectory(fed.run_directory(run_id))
+    fresh = not run.path.exists()
+    run.path.mkdir(parents=True, exist_ok=True)
+    try:
+        task = fed.make_task()
+        total = fed.total_examples
+        if total is None and fed.noise_mode.server_steps:  # a simulation: the pooled data
+            total = len(task.train_dataset())
+            log.info("total-examples not declared: the simulation's pooled size N=%d", total)
+        server = FederationServer(fed, task, run, total)
+    except BaseException:
+        if fresh:  # a run that never started leaves no empty run directory behind
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
+    previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None
+    resolved = {
+        **fed.to_record(),
+        "resolved-noise-multiplier": server.contract.noise_multiplier,
+        "resolved-total-examples": total,
+        "noise": repr(server.noise),
+    }
+    if previous is not None and previous != resolved:
+        changed = sorted(k for k in resolved if previous.get(k) != resolved[k])
+        raise ValueError(
+            f"{run.path} was started with a different configuration ({changed}); resume it "
+            "with the same settings or start a new run"
+        )
+    run.write_json(CONFIG, resolved)
+    return server
+
+
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of a state dict's names, dtypes, shapes and values."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        value = state[name].detach().cpu().contiguous().numpy()
+        digest.update(f"{name}\0{value.dtype.str}\0{value.shape}\0".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
+def _describe(fingerprint: str | None) -> str:
+    return "the task's seeded model" if fingerprint is None else f"arrays {fingerprint[:12]}"
+
+
+# What the loop hands its caller after each round: (round, its record, the applied round's
+# train metrics or None). The caller may add keys to the record before it is written.
+AfterRound = Callable[[int, dict, dict | None], None]
+
+
+class RoundLoop:
+    """The rounds of a federation, step by step (see the module's docstring).
+
+    Args:
+        server: the federation's state (model, anchors, ledger, run directory).
+        progress: show a progress bar over rounds.
+        on_round: called with each round's record, once it is written (e.g. for a CLI).
+    """
+
+    def __init__(
+        self,
+        server: FederationServer,
+        progress: bool = True,
+        on_round: Callable[[dict], None] | None = None,
+    ) -> None:
+        self.server = server
+        self.cfg = server.cfg
+        self.mode = server.cfg.noise_mode
+        self.progress = progress
+        self.on_round = on_round
+        self.basis_held: dict[int, int] = {}  # node id -> basis id it acknowledged
+        self.info: dict = {}  # the round's record so far, filled by its steps
+        self.stop_reason: str | None = None
+
+    # -- the global model ------------------------------------------------------------------
+
+    def check_arrays(self, arrays: Mapping[str, wire.WireArray]) -> dict[str, torch.Tensor]:
+        """``arrays`` as a state dict of the task's model, or ``ValueError`` naming every key
+        that is missing or unexpected, every shape or dtype that differs and every
+        non-finite value."""
+        reference = self.server.model.state_dict()
+        problems = [f"missing {name!r}" for name in reference if name not in arrays]
+        problems += [f"unexpected {name!r}" for name in arrays if name not in reference]
+        state = {}
+        for name, ref in reference.items():
+            if name not in arrays:
+                continue
+            array, dtype = arrays[name], str(ref.dtype).removeprefix("torch.")
+            if (array.dtype, tuple(array.shape)) != (dtype, tuple(ref.shape)):
+                problems.append(
+                    f"{name!r} is {array.dtype} {list(array.shape)}, the model's is "
+                    f"{dtype} {list(ref.shape)}"
+                )
+                continue
+            value = np.array(array.numpy())
+            if not np.isfinite(value).all():
+                problems.append(f"{name!r} holds NaN or inf")
+                continue
+            state[name] = torch.from_numpy(value)
+        if problems:
+            raise ValueError(
+                f"the arrays do not fit the model of task {self.cfg.task!r} (model "
+                f"{self.cfg.model!r}): " + "; ".join(problems)
+            )
+        return state
+
+    def restore(self, initial: Mapping[str, wire.WireArray] | None) -> int:
+        """Set the global model before the first round; returns the last completed round.
+
+        A new run starts from ``initial`` (None: the task's model, seeded by the run's
+        ``seed``) and records their fingerprint in the run directory. A run directory with a
+        checkpoint resumes from it, and only with the initial model it was started from.
+
+        Raises:
+            ValueError: ``initial`` does not fit the task's model, or differs from the
+                arrays the run directory was started from.
+        """
+        state = None if initial is None else self.check_arrays(initial)
+        started_from = None if state is None else fingerprint(state)
+        done = self.server.resume()
+        run = self.server.run
+        if done == 0:
+            if state is not None:
+                self.server.model.load_state_dict(state)
+            run.write_json(INITIAL_MODEL, {INITIAL_SHA256: started_from})
+            return 0
+        started = None  # older run directories record none: they began with the task's model
+        if run.file(INITIAL_MODEL).exists():
+            started = run.read_json(INITIAL_MODEL)[INITIAL_SHA256]
+        if started != started_from:
+            raise ValueError(
+                f"{run.path} was started from {_describe(started)}, not from "
+                f"{_describe(started_from)}; resume it with the same initial_arrays or start "
+                "a new run"
+            )
+        log.info("resuming after round %d from %s", done, run.path)
+        return done
+
+    # -- one round's steps -----------------------------------------------------------------
+
+    def within_budget(self, rnd: int) -> bool:
+        """Whether round ``rnd`` fits the budget; if not, ``stop_reason`` says why."""
+        try:
+            self.server.check_budget(rnd)
+        except BudgetExceededError as err:
+            self.stop_reason = f"stopped before round {rnd}: {err}"
+            log.warning(self.stop_reason)
+            return False
+        return True
+
+    def configure_round(self, rnd: int, nodes: Sequence[int]) -> list[Request]:
+        """The round's requests to every node: the global model, the round config and, to a
+        node that does not hold it yet, the anchor basis."""
+        plan = self.server.plan_round(rnd)
+        nodes = sorted(nodes)
+        self.info = {
+            "anchor_seconds": plan.anchor_seconds,
+            "anchor_projection_error": plan.anchor_projection_error,
+            "sites_asked": len(nodes),
+        }
+        sent_bytes, requests = [], []
+        for node in nodes:
+            records = {
+                wire.GLOBAL_MODEL: Arrays(plan.state),
+                wire.ROUND_CONFIG: Config(plan.config.to_record()),
+            }
+            basis_id = plan.config.basis_id
+            needs_basis = plan.basis is not None and self.basis_held.get(node) != basis_id
+            if needs_basis:
+                records[wire.BASIS] = Arrays(plan.basis)
+            sent_bytes.append(self.server.basis_nbytes if needs_basis else 0)
+            requests.append(Request(node, Envelope(records)))
+        self.info["basis_bytes_per_site"] = sent_bytes
+        return requests
+
+    def train_round(
+        self, rnd: int, requests: list[Request], grid: RoundGrid, timeout: float | None
+    ) -> dict | None:
+        """Send the round, collect the replies and step the model by the round's mode;
+        returns the applied round's train metrics (None: the model is unchanged)."""
+        if self.mode.secure_sum:
+            return self.secure_aggregate(rnd, requests, grid, timeout)
+        return self.aggregate(rnd, grid.exchange(requests, group_id=None, timeout=timeout))
+
+    def validate_reply(self, rnd: int, reply: Reply, seen: set[int]):
+        """The reply's (node, payload, metrics), or raise ``WireError`` naming the site and
+        the field."""
+        node = reply.node
+        sender = f"site at node {node}"
+        if node in seen:
+            raise wire.WireError(sender, "reply", "duplicate reply for this round")
+        seen.add(node)
+        if reply.error is not None:  # recorded as a fixed text: a reply's free text never is
+            raise wire.WireError(sender, "error", wire.describe_error(reply.error, None))
+        content = reply.content
+        meta = content.config(wire.REPLY_META)
+        if meta is None:
+            raise wire.WireError(sender, wire.REPLY_META, "missing")
+        wire.check_reply_meta(meta, sender, rnd, self.cfg.mode)
+        metrics = dict(content.metrics(wire.REPLY_METRICS) or {})
+        if self.mode.server_steps:
+            sums = content.arrays(wire.CLIPPED_SUMS)
+            if sums is None:
+                raise wire.WireError(sender, wire.CLIPPED_SUMS, "missing")
+            mech = self.server.mechanism
+            payload = wire.decode_sums(
+                sums,
+                sender,
+                self.server.subspace.num_basis if mech.uses_subspace else None,
+                None if mech.name == "bgep" else self.server.layout.size,
+            )
+            self.server.check_plausible(payload, sender)
+        else:
+            delta = content.arrays(wire.MODEL_DELTA)
+            if delta is None:
+                raise wire.WireError(sender, wire.MODEL_DELTA, "missing")
+            payload = wire.decode_delta(delta, self.server.layout, sender)
+        return node, payload, metrics
+
+    def aggregate(self, rnd: int, replies: Sequence[Reply]) -> dict | None:
+        """Validate the replies and, with at least ``min_sites`` valid ones, step the global
+        model (central noise once on the sum, or the mean of the sites' noisy deltas) and
+        account the round.
+
+        Returns data-free train metrics (``sites-ok``, ``sites-rejected``, the largest
+        ``site-epsilon-max`` the sites' ledgers reported), or None when too few replies were
+        valid: then the model is unchanged and nothing is accounted."""
+        accepted, rejected, site_metrics, seen = [], [], [], set()
+        for reply in replies:
+            try:
+                node, payload, metrics = self.validate_reply(rnd, reply, seen)
+            except wire.WireError as err:
+                log.warning("round %d: rejected reply: %s", rnd, err)
+                rejected.append(str(err))
+                continue
+            accepted.append(payload)
+            site_metrics.append(metrics)
+            self._note_basis(node, metrics)
+        info = self.info
+        info.update({"sites_ok": len(accepted), "rejected": rejected})
+        if len(accepted) < self.cfg.min_sites:
+            info["applied"] = False
+            log.warning(
+                "round %d: %d valid repl%s, fewer than min_sites=%d: the global model is not "
+                "updated and nothing is accounted for this round",
+                rnd,
+                len(accepted),
+                "y" if len(accepted) == 1 else "ies",
+                self.cfg.min_sites,
+            )
+            return None
+        train = {"sites-ok": len(accepted), "sites-rejected": len(rejected)}
+        if self.mode.server_steps:
+            self.server.apply_central(rnd, accepted)
+        else:
+            self.server.apply_client(rnd, accepted)
+            reported = [m["site-epsilon"] for m in site_metrics if "site-epsilon" in m]
+            if reported:
+                info["site_epsilon_max"] = train["site-epsilon-max"] = max(reported)
+        unprotected = [m[k] for m in site_metrics for k in m if "OUTSIDE-PRIVACY" in k]
+        if unprotected:
+            info["site_train_loss_OUTSIDE_PRIVACY_GUARANTEE"] = unprotected
+        info["applied"] = True
+        return train
+
+    def share_problem(self, rnd: int, node: int, reply: Reply) -> str | None:
+        """Why a site's collect-stage reply is rejected (its masked share is then left out
+        of the sum like a dropped site's), or None."""
+        meta = reply.content.config(wire.REPLY_META)
+        sender = f"site at node {node}"
+        try:
+            if meta is None:
+                raise wire.WireError(sender, wire.REPLY_META, "missing")
+            wire.check_reply_meta(meta, sender, rnd, self.cfg.mode)
+        except wire.WireError as err:
+            return str(err)
+        return None
+
+    def secure_aggregate(
+        self, rnd: int, requests: list[Request], grid: RoundGrid, timeout: float | None
+    ) -> dict | None:
+        """Distributed mode's round: the secure sum of the sites' noised shares
+        (``SecureSumRound``), decoded and stepped like central mode. With fewer than
+        ``noise_shares`` (or ``min_sites``) sites advertising a key, or any listed site's
+        share missing, the round is abandoned: nothing is revealed, the model is unchanged
+        and the server accounts nothing."""
+        server = self.server
+        needed = max(self.cfg.shares_needed, self.cfg.min_sites)
+        bits = server.contract.quantization_bits
+        result = SecureSumRound(grid, rnd, bits, needed, timeout=timeout).run(
+            requests, lambda node, reply: self.share_problem(rnd, node, reply)
+        )
+        for failure in result.failures:
+            log.warning("round %d: %s", rnd, failure)
+        info = self.info
+        info["rejected"] = result.failures
+        metrics = {
+            n: dict(r.content.metrics(wire.REPLY_METRICS) or {}) for n, r in result.replies.items()
+        }
+        for node, m in metrics.items():
+            self._note_basis(node, m)
+        total = result.modular_sum
+        if total is not None and total.shape != (server.quantized_dimension,):
+            info["rejected"] = [*result.failures, f"the secure sum has shape {total.shape}"]
+            total = None
+        if total is None:
+            info.update(sites_ok=0, applied=False)
+            log.warning(
+                "round %d: the secure sum was abandoned (%d sites' shares arrived, at least %d "
+                "needed and every listed site's): nothing is revealed or accounted",
+                rnd,
+                len(result.survivors),
+                needed,
+            )
+            return None
+        server.apply_distributed(rnd, total)
+        info.update(sites_ok=len(result.survivors), applied=True)
+        reported = [m["site-epsilon"] for m in metrics.values() if "site-epsilon" in m]
+        if reported:
+            info["site_epsilon_max"] = max(reported)
+        return {"sites-ok": len(result.survivors), "sites-rejected": len(result.failures)}
+
+    def _note_basis(self, node: int, metrics: Mapping) -> None:
+        """A site that used the round's basis holds it: later rounds send it none."""
+        if metrics.get("basis-id", -1) >= 0:
+            self.basis_held[node] = int(metrics["basis-id"])
+
+    def round_record(self, rnd: int, began: float, site_epsilon: float | None) -> dict:
+        """The round's metrics: the task's metrics on the server's evaluation data, the
+        privacy spent so far, the seconds since ``began`` (``time.perf_counter``), and what
+        the round sent, received and rejected."""
+        evaluation = self.server.evaluate()
+        validation = self.server.validate()
+        kept = {}
+        if validation is not None:  # the best round so far, on the task's validation set
+            self.server.keep_if_best(rnd, validation)
+            kept = {f"val_{k}": v for k, v in validation.items()}
+            kept["best_round"] = self.server.best[0] if self.server.best else None
+        return {
+            "round": rnd,
+            **{f"test_{k}": v for k, v in evaluation.items()},
+            **kept,
+            "epsilon": self.server.epsilon_spent(site_epsilon),
+            "delta": self.cfg.delta,
+            "round_seconds": time.perf_counter() - began,
+            **self.info,
+        }
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(
+        self,
+        grid: RoundGrid,
+        first: int,
+        last: int,
+        timeout: float | None = None,
+        after_round: AfterRound | None = None,
+    ) -> None:
+        """Rounds ``first`` to ``last`` (fewer when the budget ends the run first), then
+        save the model. ``after_round`` sees each round's record before it is written."""
+        site_epsilon = None  # the largest epsilon the sites' own ledgers reported so far
+        bar = tqdm(
+            range(first, last + 1),
+            initial=first - 1,
+            total=last,
+            desc=f"{self.cfg.mode} {self.cfg.mechanism}",
+            unit="round",
+            disable=not self.progress,
+        )
+        for rnd in bar:
+            if not self.within_budget(rnd):
+                break
+            began, counted = time.perf_counter(), (grid.sent, grid.received)
+            requests = self.configure_round(rnd, grid.node_ids())
+            train = self.train_round(rnd, requests, grid, timeout)
+            self.info["bytes_sent"] = grid.sent - counted[0]
+            self.info["bytes_received"] = grid.received - counted[1]
+            site_epsilon = self.info.get("site_epsilon_max", site_epsilon)
+            record = self.round_record(rnd, began, site_epsilon)
+            if after_round is not None:
+                after_round(rnd, record, train)
+            self.server.run.append_metrics(record)
+            bar.set_postfix(acc=f"{record['test_accuracy']:.3f}", eps=f"{record['epsilon']:.2f}")
+            if self.on_round:
+                self.on_round(record)
+        self.server.save_model()
