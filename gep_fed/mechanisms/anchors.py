@@ -199,6 +199,13 @@ def compute_anchor_subspace(
         config.anchor_cache_mb * 2**20,
     )
     dims = layout.allocate_basis(config.num_basis, max_rank=m)
+    if memory and previous is not None:  # the carried covariance spans the previous bases too
+        dims = tuple(
+            max(d, min(p, k))
+            for d, p, k in zip(
+                dims, layout.allocate_basis(config.num_basis), previous.subspace.dims, strict=True
+            )
+        )
     anchors = None
     gram_weights = (
         planned_gram_weights(model, inputs[:1].to(device), layout, dims, m)
