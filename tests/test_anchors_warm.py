@@ -116,3 +116,20 @@ def test_compute_anchor_subspace_starts_from_the_previous_result_when_it_fits():
         compute(1, previous=cold.warm, memory=0.5, with_coefficients=True)
     with pytest.raises(ValueError, match="memory"):
         compute(1, memory=-1.0)
+
+
+def test_a_memory_chain_keeps_its_basis_size_with_fewer_anchors_than_vectors():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    layout = ParameterLayout.from_model(model)
+    public = torch.randn(64, 8)
+    config = GEPConfig(PrivacyContract("gep", 1.0, 0.1, 1.0, 0.5), num_basis=12, num_anchors=32)
+    kw = {"loss_fn": F.cross_entropy, "generator": torch.Generator().manual_seed(0)}
+    first = compute_anchor_subspace(model, public, layout, config, **kw)
+    few = GEPConfig(PrivacyContract("gep", 1.0, 0.1, 1.0, 0.5), num_basis=12, num_anchors=2)
+    alone = compute_anchor_subspace(model, public, layout, few, **kw)
+    carried = compute_anchor_subspace(
+        model, public, layout, few, previous=first.warm, memory=0.8, **kw
+    )
+    assert max(alone.subspace.dims) <= 2 < max(first.subspace.dims)
+    assert carried.subspace.dims == first.subspace.dims
