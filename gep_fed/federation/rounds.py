@@ -347,6 +347,17 @@ def _describe(fingerprint: str | None) -> str:
     return "the task's seeded model" if fingerprint is None else f"arrays {fingerprint[:12]}"
 
 
+def _metrics(reply: Reply) -> dict:
+    """A reply's data-free metrics."""
+    return dict(reply.content.metrics(wire.REPLY_METRICS) or {})
+
+
+def _largest_epsilon(site_metrics) -> float | None:
+    """The largest epsilon the sites' own ledgers reported (None: none did)."""
+    reported = [m["site-epsilon"] for m in site_metrics if "site-epsilon" in m]
+    return max(reported) if reported else None
+
+
 # What the loop hands its caller after each round: (round, its record, the applied round's
 # train metrics or None). The caller may add keys to the record before it is written.
 AfterRound = Callable[[int, dict, dict | None], None]
@@ -501,7 +512,7 @@ class RoundLoop:
         if meta is None:
             raise wire.WireError(sender, wire.REPLY_META, "missing")
         wire.check_reply_meta(meta, sender, rnd, self.cfg.mode)
-        metrics = dict(content.metrics(wire.REPLY_METRICS) or {})
+        metrics = _metrics(reply)
         if self.mode.server_steps:
             sums = content.arrays(wire.CLIPPED_SUMS)
             if sums is None:
@@ -521,50 +532,66 @@ class RoundLoop:
             payload = wire.decode_delta(delta, self.server.layout, sender)
         return node, payload, metrics
 
+    def valid_replies(self, rnd: int, replies: Sequence[Reply]) -> list[tuple[int, object, dict]]:
+        """Each reply's (node, payload, metrics) where ``validate_reply`` accepts it; a
+        rejected one is named in the log and in the round's ``rejected``, and the round goes
+        on with the others."""
+        valid, rejected, seen = [], [], set()
+        for reply in replies:
+            try:
+                valid.append(self.validate_reply(rnd, reply, seen))
+            except wire.WireError as err:
+                log.warning("round %d: rejected reply: %s", rnd, err)
+                rejected.append(str(err))
+        for node, _, metrics in valid:
+            self._note_basis(node, metrics)
+        self.info.update({"sites_ok": len(valid), "rejected": rejected})
+        return valid
+
+    def enough_sites(self, rnd: int, valid: int) -> bool:
+        """Whether ``valid`` replies reach ``min_sites``; if not, the round is not applied."""
+        if valid >= self.cfg.min_sites:
+            return True
+        self.info["applied"] = False
+        log.warning(
+            "round %d: %d valid repl%s, fewer than min_sites=%d: the global model is not "
+            "updated and nothing is accounted for this round",
+            rnd,
+            valid,
+            "y" if valid == 1 else "ies",
+            self.cfg.min_sites,
+        )
+        return False
+
+    def apply(self, rnd: int, payloads: list) -> None:
+        """Step the global model and account the round, by the round's mode: central noise
+        once on the sum of the clipped sums, or the mean of the sites' noisy deltas."""
+        if self.mode.server_steps:
+            self.server.apply_central(rnd, payloads)
+        else:
+            self.server.apply_client(rnd, payloads)
+
     def aggregate(self, rnd: int, replies: Sequence[Reply]) -> dict | None:
-        """Validate the replies and, with at least ``min_sites`` valid ones, step the global
-        model (central noise once on the sum, or the mean of the sites' noisy deltas) and
-        account the round.
+        """Central and client mode: validate the replies and, with at least ``min_sites``
+        valid ones, step the global model and account the round.
 
         Returns data-free train metrics (``sites-ok``, ``sites-rejected``, the largest
         ``site-epsilon-max`` the sites' ledgers reported), or None when too few replies were
         valid: then the model is unchanged and nothing is accounted."""
-        accepted, rejected, site_metrics, seen = [], [], [], set()
-        for reply in replies:
-            try:
-                node, payload, metrics = self.validate_reply(rnd, reply, seen)
-            except wire.WireError as err:
-                log.warning("round %d: rejected reply: %s", rnd, err)
-                rejected.append(str(err))
-                continue
-            accepted.append(payload)
-            site_metrics.append(metrics)
-            self._note_basis(node, metrics)
-        info = self.info
-        info.update({"sites_ok": len(accepted), "rejected": rejected})
-        if len(accepted) < self.cfg.min_sites:
-            info["applied"] = False
-            log.warning(
-                "round %d: %d valid repl%s, fewer than min_sites=%d: the global model is not "
-                "updated and nothing is accounted for this round",
-                rnd,
-                len(accepted),
-                "y" if len(accepted) == 1 else "ies",
-                self.cfg.min_sites,
-            )
+        valid = self.valid_replies(rnd, replies)
+        if not self.enough_sites(rnd, len(valid)):
             return None
-        train = {"sites-ok": len(accepted), "sites-rejected": len(rejected)}
-        if self.mode.server_steps:
-            self.server.apply_central(rnd, accepted)
-        else:
-            self.server.apply_client(rnd, accepted)
-            reported = [m["site-epsilon"] for m in site_metrics if "site-epsilon" in m]
-            if reported:
-                info["site_epsilon_max"] = train["site-epsilon-max"] = max(reported)
+        self.apply(rnd, [payload for _, payload, _ in valid])
+        site_metrics = [metrics for *_, metrics in valid]
+        train = {"sites-ok": len(valid), "sites-rejected": len(self.info["rejected"])}
+        if not self.mode.server_steps:  # each site's own ledger is the authority
+            reported = _largest_epsilon(site_metrics)
+            if reported is not None:
+                self.info["site_epsilon_max"] = train["site-epsilon-max"] = reported
         unprotected = [m[k] for m in site_metrics for k in m if "OUTSIDE-PRIVACY" in k]
         if unprotected:
-            info["site_train_loss_OUTSIDE_PRIVACY_GUARANTEE"] = unprotected
-        info["applied"] = True
+            self.info["site_train_loss_OUTSIDE_PRIVACY_GUARANTEE"] = unprotected
+        self.info["applied"] = True
         return train
 
     def share_problem(self, rnd: int, node: int, reply: Reply) -> str | None:
@@ -580,48 +607,59 @@ class RoundLoop:
             return str(err)
         return None
 
-    def secure_aggregate(
+    @property
+    def shares_needed(self) -> int:
+        """The fewest sites whose keys let a secure sum go on (noise shares, min_sites)."""
+        return max(self.cfg.shares_needed, self.cfg.min_sites)
+
+    def secure_sum(
         self, rnd: int, requests: list[Request], grid: RoundGrid, timeout: float | None
-    ) -> dict | None:
-        """Distributed mode's round: the secure sum of the sites' noised shares
-        (``SecureSumRound``), decoded and stepped like central mode. With fewer than
-        ``noise_shares`` (or ``min_sites``) sites advertising a key, or any listed site's
-        share missing, the round is abandoned: nothing is revealed, the model is unchanged
-        and the server accounts nothing."""
-        server = self.server
-        needed = max(self.cfg.shares_needed, self.cfg.min_sites)
-        bits = server.contract.quantization_bits
-        result = SecureSumRound(grid, rnd, bits, needed, timeout=timeout).run(
+    ) -> SecureSumResult:
+        """The round's secure sum (``SecureSumRound``), its failures logged and kept as the
+        round's ``rejected``, the basis of each site that contributed noted."""
+        bits = self.server.contract.quantization_bits
+        result = SecureSumRound(grid, rnd, bits, self.shares_needed, timeout=timeout).run(
             requests, lambda node, reply: self.share_problem(rnd, node, reply)
         )
         for failure in result.failures:
             log.warning("round %d: %s", rnd, failure)
-        info = self.info
-        info["rejected"] = result.failures
-        metrics = {
-            n: dict(r.content.metrics(wire.REPLY_METRICS) or {}) for n, r in result.replies.items()
-        }
-        for node, m in metrics.items():
-            self._note_basis(node, m)
+        self.info["rejected"] = result.failures
+        for node, reply in result.replies.items():
+            self._note_basis(node, _metrics(reply))
+        return result
+
+    def decodable_sum(self, result: SecureSumResult) -> np.ndarray | None:
+        """The secure sum, if it has the length of the round's shares (else None, named)."""
         total = result.modular_sum
-        if total is not None and total.shape != (server.quantized_dimension,):
-            info["rejected"] = [*result.failures, f"the secure sum has shape {total.shape}"]
-            total = None
+        if total is not None and total.shape != (self.server.quantized_dimension,):
+            self.info["rejected"] = [*result.failures, f"the secure sum has shape {total.shape}"]
+            return None
+        return total
+
+    def secure_aggregate(
+        self, rnd: int, requests: list[Request], grid: RoundGrid, timeout: float | None
+    ) -> dict | None:
+        """Distributed mode: the secure sum of the sites' noised shares, decoded and stepped
+        like central mode. With fewer than ``noise_shares`` (or ``min_sites``) sites
+        advertising a key, or any listed site's share missing, the round is abandoned:
+        nothing is revealed, the model is unchanged and the server accounts nothing."""
+        result = self.secure_sum(rnd, requests, grid, timeout)
+        total = self.decodable_sum(result)
         if total is None:
-            info.update(sites_ok=0, applied=False)
+            self.info.update(sites_ok=0, applied=False)
             log.warning(
                 "round %d: the secure sum was abandoned (%d sites' shares arrived, at least %d "
                 "needed and every listed site's): nothing is revealed or accounted",
                 rnd,
                 len(result.survivors),
-                needed,
+                self.shares_needed,
             )
             return None
-        server.apply_distributed(rnd, total)
-        info.update(sites_ok=len(result.survivors), applied=True)
-        reported = [m["site-epsilon"] for m in metrics.values() if "site-epsilon" in m]
-        if reported:
-            info["site_epsilon_max"] = max(reported)
+        self.server.apply_distributed(rnd, total)
+        self.info.update(sites_ok=len(result.survivors), applied=True)
+        reported = _largest_epsilon(_metrics(r) for r in result.replies.values())
+        if reported is not None:
+            self.info["site_epsilon_max"] = reported
         return {"sites-ok": len(result.survivors), "sites-rejected": len(result.failures)}
 
     def _note_basis(self, node: int, metrics: Mapping) -> None:
