@@ -190,6 +190,7 @@ LEVERS = {
         {"refresh": 5, "warm_memory": 0.0},
         {"refresh": 5, "anchors": 200, "warm_memory": 0.8},
         {"refresh": 5, "anchors": 200},
+        {"refresh": 5, "anchors": 500, "warm_memory": 0.8},  # ResNet20-GN: k = 1000
         {"s2_ratio": 0.3},
         # issue 54: the paper's residual clip ratio (0.2) and below; GEP's noise relative to
         # DP-SGD's is about 2 (k/p + (S2/S1)^2) when every example is clipped in both parts
@@ -199,6 +200,7 @@ LEVERS = {
         # ResNet20 recipe: lr 0.1 x wd 1e-4 = 1e-5; 1e-4: ten times that)
         {"lr_wd": 1e-5},
         {"lr_wd": 1e-4},
+        {"s2_ratio": 0.2, "lr_wd": 1e-4},
         {"warm": 10},
         {"warm": 10, "warm_public": 10000},
         {"aug": 4},
@@ -644,11 +646,10 @@ def warm_cache_path(args, data: Data, epochs: int, count: int) -> Path:
 
 
 def weight_decay(setting: dict) -> float:
-    """The setting's weight decay: ``wd``, or ``lr_wd / lr`` (issue 54's lever: the decay
-    scaled with the step size, so that their product, the shrink per step, is fixed)."""
+    """The setting's weight decay: ``lr_wd / lr`` where it has ``lr_wd`` (issue 54's lever:
+    the decay scaled with the step size, so that their product, the shrink per step, is
+    fixed; it replaces a grid's ``wd``), else ``wd``."""
     if "lr_wd" in setting:
-        if setting.get("wd"):
-            raise ValueError(f"a setting with both wd and lr_wd: {setting}")
         return setting["lr_wd"] / setting["lr"]
     return setting.get("wd", 0.0)
 

@@ -92,7 +92,7 @@ def fmt_setting(method: str, s: dict) -> str:
         parts.append(f"S1={s['clip']:g}")
     if method in ("gep", "bgep"):
         parts.append(f"k={s['k']} m={s['anchors']} R={s['refresh']}")
-    if s.get("wd"):
+    if s.get("wd") and not s.get("lr_wd"):
         parts.append(f"wd={s['wd']:g}")
     if s.get("lr_wd"):
         parts.append(f"wd={s['lr_wd'] / s['lr']:.3g} (lr x wd = {s['lr_wd']:g})")

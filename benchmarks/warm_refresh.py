@@ -6,13 +6,16 @@ anchor covariance (``memory``) so that a refresh can use fewer anchors.
 The library's ``GEPStep`` does not expose this yet (its configuration, ``GEPConfig``, has no
 field for it); ``warm_steps(memory)`` swaps this step into ``gep_fed.training`` for the
 duration of one run. Public data only: no privacy cost. A run resumed from a checkpoint
-restarts the warm chain cold (the previous basis is not in the step's saved state).
+restarts the warm chain cold (the previous basis is not in the step's saved state). A chain
+with memory starts with one refresh on all the held anchors (its basis size is set there),
+then uses the configured number per refresh.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 
 import gep_fed.training
 from gep_fed.mechanisms.anchors import AnchorResult, compute_anchor_subspace
@@ -27,16 +30,21 @@ class WarmGEPStep(GEPStep):
     def refresh_subspace(self, measure: bool = False) -> AnchorResult:
         if self.public_inputs is None:
             raise ValueError("no public data: pass public_inputs or call set_subspace")
+        previous = getattr(self, "_warm", None)
+        config = self.config
+        if previous is None and self.memory:
+            # a memory chain starts on all the held anchors: its basis size is set there
+            config = replace(config, num_anchors=None)
         result = compute_anchor_subspace(
             self.model,
             self.public_inputs,
             self.layout,
-            self.config,
+            config,
             loss_fn=self.loss_fn,
             public_labels=self.public_labels,
             generator=self.generator,
             measure=measure,
-            previous=getattr(self, "_warm", None),
+            previous=previous,
             memory=self.memory,
         )
         self._warm = result.warm

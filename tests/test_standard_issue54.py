@@ -83,8 +83,8 @@ def test_the_new_levers_exist_and_lr_wd_scales_weight_decay_with_the_step_size()
     opt = standard.optimizer_config({"lr": 8.0, "lr_wd": 1e-4})
     assert opt.weight_decay == pytest.approx(1.25e-5)
     assert standard.optimizer_config({"lr": 8.0}).weight_decay == 0.0
-    with pytest.raises(ValueError):
-        standard.weight_decay({"lr": 1.0, "wd": 1e-4, "lr_wd": 1e-4})
+    # on a grid with its own wd (ResNet20-GN's 1e-4), the lever replaces it
+    assert standard.weight_decay({"lr": 4.0, "wd": 1e-4, "lr_wd": 1e-5}) == pytest.approx(2.5e-6)
 
 
 def test_the_paper_accounting_is_two_independent_subsampled_gaussians():
