@@ -222,11 +222,16 @@ LEVERS = {
 PARAM_GROUPS = {"layers": None, "one": {"all": ["*"]}}
 
 
-def lever_selected(lever: dict, wanted: list[str] | None) -> bool:
+def lever_selected(lever: dict, wanted: list[str] | None, exact: bool = False) -> bool:
     """Whether ``--levers`` picks ``lever``: by a knob it sets (``refresh``) or by a knob and
-    its value (``refresh=5``); no ``--levers`` picks every lever."""
+    its value (``refresh=5``); no ``--levers`` picks every lever. ``exact``
+    (``--lever-exact``): the items together name one lever, every knob and value of it
+    (``s2_ratio=0.2 lr_wd=0.0001``), so that runs side by side each take one lever."""
     if wanted is None:
         return True
+    if exact:
+        pairs = dict(item.partition("=")[::2] for item in wanted)
+        return pairs == {k: str(v) for k, v in lever.items()}
     for item in wanted:
         knob, _, value = item.partition("=")
         if knob in lever and (not value or str(lever[knob]) == value):
@@ -1069,6 +1074,16 @@ def parse_args(argv=None):
         "that TAN (--tan 1: the real batch)",
     )
     ap.add_argument(
+        "--logged-levers",
+        action="store_true",
+        help="with --lever-final: choose among the levers already logged, run no new one",
+    )
+    ap.add_argument(
+        "--lever-exact",
+        action="store_true",
+        help="with --levers: the items together name one lever exactly (each knob=value)",
+    )
+    ap.add_argument(
         "--lever-final",
         action="store_true",
         help="with --stage levers: test the best lever setting if it beat the grid on validation",
@@ -1083,6 +1098,12 @@ def parse_args(argv=None):
         args.tan = 1 if args.tan is None else args.tan
     if args.grid_tan is None:
         args.grid_tan = args.tan  # None: read from the log (``resolve_grid_tan``)
+    if args.lever_exact and not any(
+        lever_selected(lever, args.levers or [], True)
+        for levers in LEVERS.values()
+        for lever in levers
+    ):
+        raise SystemExit(f"--lever-exact --levers {' '.join(args.levers or [])}: no such lever")
     for item in args.levers or ():
         if not any(lever_selected(lever, [item]) for levers in LEVERS.values() for lever in levers):
             known = sorted(
@@ -1259,10 +1280,11 @@ def main(argv=None) -> int:
                 wanted = [
                     lever
                     for lever in LEVERS.get(method, ())
-                    if lever_selected(lever, args.levers) and lever_applies(args, lever)
+                    if lever_selected(lever, args.levers, args.lever_exact)
+                    and lever_applies(args, lever)
                 ]
-                if args.lever_final and args.seed != 0:
-                    # the levers chosen at seed 0, retrained at this seed (their spread)
+                if args.lever_final and (args.seed != 0 or args.logged_levers):
+                    # the levers run at seed 0 (logged), the winner retrained at this seed
                     tried = [
                         done.get(run_key(grid_args, method, {**best["setting"], **lever}, "tune"))
                         for lever in wanted

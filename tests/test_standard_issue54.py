@@ -221,3 +221,18 @@ def test_a_warm_refresh_lever_trains_with_the_warm_step_and_restores_the_library
         )  # fmt: skip
     assert gep_fed.training.GEPStep is original
     assert seen == [(0.5, True)] * 6
+
+
+def test_exact_levers_name_one_lever_so_that_runs_side_by_side_take_one_each():
+    gep = standard.LEVERS["gep"]
+    combo = ["s2_ratio=0.2", "lr_wd=0.0001"]
+    assert [lv for lv in gep if standard.lever_selected(lv, combo, exact=True)] == [
+        {"s2_ratio": 0.2, "lr_wd": 1e-4}
+    ]
+    assert [lv for lv in gep if standard.lever_selected(lv, ["s2_ratio=0.2"], exact=True)] == [
+        {"s2_ratio": 0.2}
+    ]
+    # without --lever-exact an item picks every lever setting that knob to that value
+    assert len([lv for lv in gep if standard.lever_selected(lv, ["s2_ratio=0.2"])]) == 2
+    with pytest.raises(SystemExit, match="no such lever"):
+        standard.parse_args(["--levers", "s2_ratio=0.2", "k=300", "--lever-exact"])
