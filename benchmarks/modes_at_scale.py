@@ -42,12 +42,33 @@ def key(
     epsilon: float,
     mode: str,
     rounds: int | None = None,
+    settings: dict | None = None,
 ) -> str:
-    """A run's key; distributed runs of the current secure sum and runs of a length other
-    than the task's carry it (older rows keep theirs)."""
+    """A run's key; distributed runs of the current secure sum, runs of a length other
+    than the task's and runs with settings of their own (``--set``) carry it (older rows
+    keep theirs)."""
     suffix = f"/{SECURE_SUM}" if mode == "distributed" else ""
     length = f"/r{rounds}" if rounds else ""
-    return f"{task}/{mechanism}/{sites}-{partition}/eps{epsilon:g}{length}/{mode}{suffix}"
+    own = "".join(
+        f"/{k}={v:g}" if isinstance(v, float) else f"/{k}={v}"
+        for k, v in sorted((settings or {}).items())
+    )
+    return f"{task}/{mechanism}/{sites}-{partition}/eps{epsilon:g}{length}{own}/{mode}{suffix}"
+
+
+def parse_settings(items: list[str]) -> dict:
+    """``--set clip_residual=0.02 basis_refresh=5``: FederationConfig fields over the
+    task's recommended settings (e.g. a mechanism's tuned levers), typed as JSON values."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--set {item}: expected NAME=VALUE")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
 
 
 def done_runs(log: Path) -> dict[str, dict]:
@@ -77,6 +98,7 @@ def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
         "sites": fed.num_sites,
         "partition": fed.partition,
         "mechanism": fed.mechanism,
+        "settings": run_key_settings(run_key),
         "epsilon_target": fed.target_epsilon,
         "epsilon": rows[-1]["epsilon"] if rows else None,
         "test_accuracy": rows[-1]["test_accuracy"] if rows else None,
@@ -97,6 +119,11 @@ def run_one(fed: FederationConfig, run_key: str, log: Path) -> dict:
     with log.open("a") as fh:
         fh.write(json.dumps(row) + "\n")
     return row
+
+
+def run_key_settings(run_key: str) -> str:
+    """The ``--set`` part of a run key ("" for the task's recommended settings)."""
+    return "/".join(part for part in run_key.split("/") if "=" in part)
 
 
 def quantised_dimension(run_dir: Path) -> int | None:
@@ -151,7 +178,8 @@ def table(rows: list[dict]) -> str:
         applied = r.get("applied_rounds", r["rounds"])
         rounds = f"{applied}" if applied == r["rounds"] else f"{applied} of {r['rounds']}"
         lines.append(
-            f"| {task} | {r['mechanism']} | {r['sites']} | {r['partition']} | "
+            f"| {task} | {r['mechanism']}{' (' + r['settings'] + ')' if r.get('settings') else ''} "
+            f"| {r['sites']} | {r['partition']} | "
             f"{r['epsilon_target']:g} | {r['mode']} "
             f"| {r['sigma']:.3f} | {r['test_accuracy']:.4f} | {r['epsilon']:.3f} | {rounds} | "
             f"{r['round_seconds']:.2f} | {r['round_megabytes_per_site']:.3f} | "
@@ -176,12 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epsilon", type=float, default=2.0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--rounds", type=int, default=None, help="default: the task's")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="NAME=VALUE",
+        help="FederationConfig fields over the task's recommended settings (in the run key)",
+    )
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--table", action="store_true", help="only write the table")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
+    settings = parse_settings(args.set)
     if not args.table:
         for sites in args.sites:
             for partition in args.partitions:
@@ -194,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.epsilon,
                         mode,
                         args.rounds,
+                        settings,
                     )
                     if run_key in done_runs(log):
                         print(f"done already: {run_key}", file=sys.stderr)
@@ -209,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                         run_dir=str(out / "runs"),
                         run_name=run_key.replace("/", "_"),
                         **({"rounds": args.rounds} if args.rounds else {}),
+                        **settings,
                     )
                     fed = compare_cell(base, args.epsilon, args.mechanism, mode, run_key)
                     print(f"running {run_key}", file=sys.stderr, flush=True)
