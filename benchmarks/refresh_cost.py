@@ -175,7 +175,37 @@ def main(argv=None) -> int:
         for row in rows:
             fh.write(json.dumps({**row, **meta}) + "\n")
     print(table(rows, meta))
+    write_report(Path(args.out))
     return 0
+
+
+def write_report(log: Path) -> Path:
+    """``<log>.md`` from every run in the log (one section a run, newest last)."""
+    runs: dict[str, list[dict]] = {}
+    for line in log.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            runs.setdefault(row["command"] + row["finished"], []).append(row)
+    lines = [
+        "# The cost of GEP's subspace refresh, amortised (issue 54)",
+        "",
+        "Written by `benchmarks/refresh_cost.py` from `" + log.name + "`. Per run: the "
+        "private steps (Opacus, our GP, GEP without its refresh; medians of interleaved "
+        "repeats in one process), seconds per refresh of each kind (the library's: a random "
+        "start and one power pass over m anchors; warm: one pass from the last basis; warm + "
+        "memory: the previous refreshes' anchor covariance carried, on m / 4 or m / 8 "
+        "anchors), the share of fresh anchors' gradient energy each subspace captures after a "
+        "few refreshes along a moving model (real public data unless the run says random), "
+        "and seconds per private step with the refresh amortised at R = 20, 5 and 1, as a "
+        "ratio to Opacus' step measured in the same process. The machine is shared: "
+        "absolute times vary between runs; compare within a run.",
+        "",
+    ]
+    for rows in runs.values():
+        lines.append(table(rows, rows[0]))
+    path = log.with_suffix(".md")
+    path.write_text("\n".join(lines))
+    return path
 
 
 def real_data(model: str, batch: int, anchors: int):
@@ -240,7 +270,8 @@ def table(rows: list[dict], meta: dict) -> str:
     first = rows[0]
     s = first["step_seconds"]
     lines = [
-        f"## {first['model']}: batch {first['batch']}, k = {first['k']}, {meta['data']} data, "
+        f"## {first['model']}: batch {first['batch']}, k = {first['k']}, "
+        f"{meta.get('data', 'real')} data, "
         f"{meta['device']}, "
         f"{meta['threads']} threads ({meta['finished']})",
         "",
@@ -254,6 +285,7 @@ def table(rows: list[dict], meta: dict) -> str:
         "|---|---|---|---|" + "---|" * len(REFRESHES),
     ]
     for r in rows:
+        r = {**r, "amortised": {int(k): v for k, v in r["amortised"].items()}}  # JSON: str keys
         cells = [
             f"{1000 * r['amortised'][R]['seconds']:.0f} ms ({r['amortised'][R]['x_opacus']:.2f})"
             for R in REFRESHES
