@@ -123,6 +123,7 @@ class ArrayTask(Task):
     job); PneumoniaMNIST / MedMNIST recommend the small-data recipe."""
 
     default_model = "cnn"
+    models = ARCHITECTURES
     recommended_settings: ClassVar[Mapping[str, object]] = MappingProxyType({})
 
     def __init__(
@@ -339,13 +340,14 @@ class Cifar10Task(Task):
     """
 
     default_model = "scatter-linear"
+    models = ("auto", *SCATTER_MODELS, "resnet20", "cnn")
     recommended_settings: ClassVar[Mapping[str, object]] = scatter_linear_winner(
         sample_rate=1 / 10, rounds=300, lr=4.0
     )
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
         super().__init__(settings)
-        if self.settings.model not in ("auto", *SCATTER_MODELS, "resnet20", "cnn"):
+        if self.settings.model not in self.models:
             raise ValueError(
                 f"model must be auto (scatter-linear), {', '.join(SCATTER_MODELS)}, resnet20 "
                 f"or cnn for task cifar10, got {self.settings.model!r}"

@@ -97,6 +97,10 @@ class Task(ABC):
     Attributes:
         kind: "multiclass" (int targets, cross-entropy), "binary" (one logit or two classes)
             or "multilabel" (float 0/1 targets, BCE with logits per label).
+        models: the model names the task builds itself (``TaskSettings.model``). Any other
+            feature-front name (``gep_fed.data.fronts.FRONT_MODELS``: ``scatter-linear``,
+            ``scatter-cnn``, ``public-pretrained``...) runs the task's data through that
+            front with a small head, with no change to the task.
         recommended_settings: ``FederationConfig`` fields (snake_case) that a run of this
             task should use unless told otherwise, e.g. what won a validation sweep.
             ``FederationConfig.for_task`` (every path: ``gep-fed simulate/compare``, the
@@ -106,6 +110,7 @@ class Task(ABC):
     """
 
     kind: ClassVar[str] = "multiclass"
+    models: ClassVar[tuple[str, ...]] = ()
     recommended_settings: ClassVar[Mapping[str, object]] = SMALL_DATA_RECIPE
 
     def __init__(self, settings: TaskSettings | None = None) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
+from gep_fed.data.fronts import build_task
 from gep_fed.data.registry import BUILT_IN_TASKS, resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.federation.modes import MODE_NAMES, Mode, mode_named
@@ -313,7 +314,7 @@ class FederationConfig:
         )
         cls = task_class(self.task)
         try:
-            return cls(settings)
+            return build_task(cls, settings)
         except TypeError as err:  # e.g. an abstract method the task does not implement
             raise ConfigError(
                 f"task {self.task!r} cannot be built: {err} (see docs/tasks.md)"

@@ -27,6 +27,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gep_fed.accounting.ledger import default_key_path
+from gep_fed.data.fronts import build_task
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.task import Task, TaskSettings
 from gep_fed.federation.config import FederationConfig
@@ -278,7 +279,7 @@ class SiteConfig:
     def make_task(self) -> Task:
         """The site's own task (a deployed site's node config names it)."""
         try:
-            return resolve_task(self.task)(self.task_settings())
+            return build_task(resolve_task(self.task), self.task_settings())
         except ValueError as err:
             raise ConfigError(f"node config task {self.task!r}: {err}") from None
 
