@@ -105,3 +105,49 @@ def test_bad_contract_settings_name_the_field(contract, field):
     with pytest.raises(ConfigError, match=field):
         base = {"mechanism": "gep", "noise_multiplier": 1.0, "sample_rate": 0.1}
         PrivacyContract(**{**base, **contract})
+
+
+def test_the_fields_are_grouped_in_the_classs_order_and_each_group_is_a_read_only_view():
+    from dataclasses import fields
+
+    from gep_fed.federation.config import FIELD_GROUPS
+
+    grouped = [name for _, names in FIELD_GROUPS.values() for name in names]
+    assert grouped == [f.name for f in fields(FederationConfig)]  # each once, in order
+    cfg = FederationConfig(delta=1e-6, rounds=3, basis_dtype="float16")
+    assert cfg.privacy.delta == cfg.privacy["delta"] == 1e-6
+    assert cfg.schedule.rounds == 3 and cfg.transport.basis_dtype == "float16"
+    assert dict(cfg.run) == {name: getattr(cfg, name) for name in FIELD_GROUPS["run"][1]}
+    assert set(FIELD_GROUPS) == {"data", "privacy", "subspace", "schedule", "transport", "run"}
+    with pytest.raises(AttributeError, match="delta"):
+        cfg.schedule.delta  # noqa: B018 (another group's field)
+    with pytest.raises(AttributeError):
+        cfg.privacy.delta = 0.1  # a view: the config is frozen
+
+
+def test_resolve_is_the_one_explicit_resolution_and_contract_reads_it():
+    from dataclasses import replace
+
+    from gep_fed.federation.config import ResolvedRun
+
+    cfg = FederationConfig(rounds=2, local_steps=3, target_epsilon=4.0)
+    assert "_resolved" not in vars(cfg)  # nothing is resolved by building the settings
+    run = cfg.resolve()
+    assert isinstance(run, ResolvedRun) and run.config is cfg
+    assert cfg.resolve() is run and cfg.contract is run.contract  # once, then read
+    assert run.contract == PrivacyContract.for_budget(
+        "gep",
+        4.0,
+        cfg.delta,
+        cfg.sample_rate,
+        6,
+        clip_embedding=cfg.clip_embedding,
+        clip_residual=cfg.clip_residual,
+        clip_norm=cfg.clip_norm,
+    )
+    assert run.anchor_config.contract is run.contract
+    assert run.anchor_config.num_basis == cfg.num_basis
+    other = replace(cfg, target_epsilon=8.0)
+    assert other.resolve() is not run
+    assert other.contract.noise_multiplier < run.contract.noise_multiplier
+    assert other == replace(other)  # the resolution is no part of the settings

@@ -177,7 +177,8 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         num_sites=DISTRIBUTED_SITES if distributed else 3,
         total_examples=s.examples * (DISTRIBUTED_SITES if distributed else 1),
     )
-    contract = fed.contract
+    resolved = fed.resolve()
+    contract = resolved.contract
     torch.manual_seed(s.seed)
     model = task.build_model()
     size = sum(p.numel() for p in model.parameters())
@@ -190,7 +191,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         step = GEPStep(
             model,
             stack_examples(task.public_dataset())[0],
-            replace(fed.anchor_config, basis_refresh=10**6),
+            replace(resolved.anchor_config, basis_refresh=10**6),
             dataset_size=s.examples,
             noise=NoiseSource(s.seed + 1),
             generator=torch.Generator().manual_seed(s.seed),

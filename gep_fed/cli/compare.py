@@ -84,6 +84,7 @@ def centralised(base: FederationConfig, mechanism: str, eps: float, rounds: int)
         noise_multiplier=None,
         rounds=rounds,
     )
+    resolved = fed.resolve()  # sigma calibrated for this mechanism's budget
     task = fed.make_task()
     torch.manual_seed(fed.seed)
     model = task.build_model()
@@ -96,7 +97,7 @@ def centralised(base: FederationConfig, mechanism: str, eps: float, rounds: int)
         x,
         y,
         stack_examples(task.public_dataset())[0],
-        replace(fed.anchor_config, basis_refresh=fed.basis_refresh),
+        replace(resolved.anchor_config, basis_refresh=fed.basis_refresh),
         fed.rounds,
         OptimizerConfig(lr=fed.server_lr, momentum=fed.server_momentum),
         delta=fed.delta,

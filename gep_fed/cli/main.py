@@ -21,7 +21,7 @@ from gep_fed.accounting.ledger import (
     default_mark_path,
     read_ledger_key,
 )
-from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.config import FIELD_GROUPS, FederationConfig
 from gep_fed.federation.modes import MODE_NAMES
 from gep_fed.federation.policy import NODE_CONFIG_KEYS
 from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
@@ -57,9 +57,13 @@ def _shown(value) -> str:
 
 def add_federation_options(parser: argparse.ArgumentParser) -> None:
     """One ``--kebab-case`` option per ``FederationConfig`` field, with its help text and its
-    default: the field's own, or the task's recommendation where a task sets one."""
+    default: the field's own, or the task's recommendation where a task sets one; shown in
+    the fields' groups (``FIELD_GROUPS``)."""
     recommended = task_recommendations()
+    titles = {name: title for title, names in FIELD_GROUPS.values() for name in names}
+    groups = {title: parser.add_argument_group(title) for title, _ in FIELD_GROUPS.values()}
     for f in fields(FederationConfig):
+        group = groups[titles[f.name]]
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
         default = f"default: {_shown(f.default)}"
@@ -68,13 +72,13 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
             default = f"default: the task's recommendation ({by}), else {_shown(f.default)}"
         help_text = f"{f.metadata.get('help', '')} ({default})".replace("%", "%%")
         if kind is bool:
-            parser.add_argument(
+            group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
         elif f.name == "noise_multiplier":
-            parser.add_argument(flag, default=None, metavar="SIGMA|auto", help=help_text)
+            group.add_argument(flag, default=None, metavar="SIGMA|auto", help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=None, help=help_text)
+            group.add_argument(flag, type=kind, default=None, help=help_text)
 
 
 def _given(args: argparse.Namespace) -> dict:

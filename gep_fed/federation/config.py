@@ -1,19 +1,19 @@
-"""``FederationConfig``: a federated run (data and sites, privacy, subspace, optimisation,
-operation), and the one resolution of its settings on every path.
+"""``FederationConfig``: a federated run's settings (task and data, the privacy contract, the
+anchor subspace, the schedule, the transport, the run), and ``ResolvedRun``, what they resolve to.
 
 ``gep-fed simulate`` and ``compare``, the ServerApp under ``flwr run`` and the library all
 build a run's configuration through ``FederationConfig.for_task`` (``from_record`` for a
 Flower run config): the field defaults, under the task's recommended settings, under the
-values given. The run's privacy contract is resolved from it once (``contract``: sigma as
-given, or calibrated to spend the budget over the run).
+values given. Each then resolves it once, explicitly, before the run starts
+(``FederationConfig.resolve``): the privacy contract, sigma as given or calibrated to spend the
+budget over the run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from functools import cached_property
 from pathlib import Path
 
 from gep_fed.data.fronts import build_task
@@ -59,13 +59,86 @@ PARTITIONS = ("iid", "dirichlet")
 RUN_CONFIG_DEFAULT = "default"
 DEVICES = ("auto", "cpu", "cuda")
 
+# FederationConfig's fields by group (view name: title, fields), in the class's order (a
+# test pins both). Run-config keys and CLI flags stay flat; ``gep-fed simulate --help`` shows
+# the groups.
+_GROUPED = {
+    "data": ("task and data", "task model data_dir medmnist_path num_sites partition "
+             "dirichlet_alpha num_public"),
+    "privacy": ("the privacy contract", "mode noise_shares quantization_bits mechanism "
+                "target_epsilon delta noise_multiplier sample_rate total_examples "
+                "clip_embedding clip_residual clip_norm langevin_beta0"),
+    "subspace": ("the anchor subspace", "num_basis num_anchors power_iterations anchor_labels "
+                 "basis_refresh"),
+    "schedule": ("the schedule", "rounds local_steps local_lr local_momentum "
+                 "augmentation_copies server_lr server_momentum ema_decay"),
+    "transport": ("the transport", "basis_dtype basis_transport min_sites round_timeout"),
+    "run": ("the run", "seed noise_seed run_dir run_name device release_site_metrics max_chunk"),
+}  # fmt: skip
+FIELD_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    view: (title, tuple(names.split())) for view, (title, names) in _GROUPED.items()
+}
+
+
+class FieldGroup(Mapping):
+    """A read-only view of one group of a ``FederationConfig``'s flat fields
+    (``FIELD_GROUPS``): ``cfg.privacy.delta`` is ``cfg.delta``; as a mapping, ``{field:
+    value}`` (``dict(cfg.schedule)``)."""
+
+    __slots__ = ("_config", "_names", "title")
+
+    def __init__(self, config: FederationConfig, title: str, names: tuple[str, ...]) -> None:
+        self._config, self._names, self.title = config, names, title
+
+    def __getattr__(self, name: str) -> object:
+        if not name.startswith("_") and name in self._names:
+            return getattr(self._config, name)
+        raise AttributeError(f"{self.title} holds {', '.join(self._names)}, not {name!r}")
+
+    def __getitem__(self, name: str) -> object:
+        if name not in self._names:
+            raise KeyError(name)
+        return getattr(self._config, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={self[name]!r}" for name in self._names)
+        return f"<{self.title}: {values}>"
+
+
+def _group(view: str) -> property:
+    title, names = FIELD_GROUPS[view]
+    return property(
+        lambda cfg: FieldGroup(cfg, title, names), doc=f"{title}: {', '.join(names)} (a view)"
+    )
+
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """A federated run: data and sites, privacy, subspace, optimisation, operation.
+    """A federated run's settings: flat fields in six groups, each also a read-only view
+    (``FieldGroup``; ``FIELD_GROUPS``):
 
-    In a Flower run config the keys are written in kebab-case (``target-epsilon``);
-    ``noise-multiplier = "auto"`` and ``num-anchors = 0`` mean None.
+    - ``data``, task and data: task, model, data_dir, medmnist_path, num_sites, partition,
+      dirichlet_alpha, num_public;
+    - ``privacy``, the privacy contract: mode, noise_shares, quantization_bits, mechanism,
+      target_epsilon, delta, noise_multiplier, sample_rate, total_examples, clip_embedding,
+      clip_residual, clip_norm, langevin_beta0;
+    - ``subspace``, the anchor subspace: num_basis, num_anchors, power_iterations,
+      anchor_labels, basis_refresh;
+    - ``schedule``: rounds, local_steps, local_lr, local_momentum, augmentation_copies,
+      server_lr, server_momentum, ema_decay;
+    - ``transport``: basis_dtype, basis_transport, min_sites, round_timeout;
+    - ``run``: seed, noise_seed, run_dir, run_name, device, release_site_metrics, max_chunk.
+
+    ``cfg.privacy.delta`` is ``cfg.delta``. In a Flower run config the keys stay flat, in
+    kebab-case (``target-epsilon``); ``noise-multiplier = "auto"`` and ``num-anchors = 0``
+    mean None. What the settings resolve to (the contract, sigma calibrated) is
+    ``resolve()``'s ``ResolvedRun``.
 
     Privacy fields:
         mode: "client" (default; each site adds its own noise and keeps its own ledger, the
@@ -99,6 +172,8 @@ class FederationConfig:
     Every field's help text is in its metadata (what ``gep-fed simulate --help`` shows).
     """
 
+    # -- task and data (data) --------------------------------------------------
+    # -- task and data (data) --------------------------------------------------
     task: str = _opt(
         "digits",
         "the task: digits (bundled, offline), mnist, fashion-mnist, pneumonia, medmnist, "
@@ -118,6 +193,10 @@ class FederationConfig:
     partition: str = _opt("iid", "how the pooled data is split across sites: iid or dirichlet")
     dirichlet_alpha: float = _opt(0.5, "label skew for --partition dirichlet (smaller: more skew)")
     num_public: int = _opt(2000, "public anchor examples the server holds (labels never used)")
+
+    # -- the privacy contract (privacy) ----------------------------------------
+
+    # -- the privacy contract (privacy) ----------------------------------------
     mode: str = _opt(
         "client",
         "client: each site noises its own updates and keeps its own ledger (untrusted "
@@ -165,6 +244,10 @@ class FederationConfig:
         "langevin prior variance beta0: scales noise and step sizes together (training, not "
         "privacy: multi-pass epsilon depends on steps, batch, n and delta only)",
     )
+
+    # -- the anchor subspace (subspace) ----------------------------------------
+
+    # -- the anchor subspace (subspace) ----------------------------------------
     num_basis: int = _opt(64, "k: anchor-subspace dimension (public; no privacy cost)")
     num_anchors: int | None = _opt(None, "m: anchors used per subspace (default: all public data)")
     power_iterations: int = _opt(1, "t: power-method passes per subspace")
@@ -174,13 +257,10 @@ class FederationConfig:
         "(the public data's own labels)",
     )
     basis_refresh: int = _opt(1, "recompute and resend the basis every R rounds")
-    basis_dtype: str = _opt("float32", "basis on the wire: float32 or float16 (half the bytes)")
-    basis_transport: str = _opt(
-        "basis",
-        "how a site gets each basis: basis (the server sends the bases, p_g x k_g numbers per "
-        "group) or rebuild (the server sends the anchors and m x k_g coefficients per group, "
-        "and each site rebuilds the bases from the anchors' gradients: public data only)",
-    )
+
+    # -- the schedule (schedule) -----------------------------------------------
+
+    # -- the schedule (schedule) -----------------------------------------------
     rounds: int = _opt(10, "federated rounds")
     local_steps: int = _opt(10, "private steps per site per round (client mode), each accounted")
     local_lr: float = _opt(1.0, "site learning rate (client mode)")
@@ -201,8 +281,23 @@ class FederationConfig:
         "its iterates with this decay (De et al. 2022; post-processing: no privacy cost; it "
         "damps the last rounds' noise); 0: the last iterate",
     )
+
+    # -- the transport (transport) ---------------------------------------------
+
+    # -- the transport (transport) ---------------------------------------------
+    basis_dtype: str = _opt("float32", "basis on the wire: float32 or float16 (half the bytes)")
+    basis_transport: str = _opt(
+        "basis",
+        "how a site gets each basis: basis (the server sends the bases, p_g x k_g numbers per "
+        "group) or rebuild (the server sends the anchors and m x k_g coefficients per group, "
+        "and each site rebuilds the bases from the anchors' gradients: public data only)",
+    )
     min_sites: int = _opt(1, "fewest valid replies for a round to update the model")
     round_timeout: float = _opt(600.0, "seconds to wait for the sites' replies in a round")
+
+    # -- the run (run) ---------------------------------------------------------
+
+    # -- the run (run) ---------------------------------------------------------
     seed: int = _opt(0, "public randomness: partitions, anchors, initial model (never noise)")
     noise_seed: int | None = _opt(
         None, "fix the noise (tests and benchmarks only: a known seed voids the guarantee)"
@@ -340,11 +435,41 @@ class FederationConfig:
     def run_directory(self, run_id: int | str) -> str:
         return str(Path(self.run_dir) / (self.run_name or f"run-{run_id}"))
 
-    @cached_property
+    data = _group("data")
+    privacy = _group("privacy")
+    subspace = _group("subspace")
+    schedule = _group("schedule")
+    transport = _group("transport")
+    run = _group("run")
+
+    def resolve(self) -> ResolvedRun:
+        """Resolve the run, once: its privacy contract (``ResolvedRun.contract``), which may
+        calibrate sigma (``ImpossibleTargetError`` when the budget is out of reach) and in
+        distributed mode builds the task's model and training set.
+
+        Every path calls it before its first round (``simulate``, the ServerApp, ``gep-fed
+        compare``, the audit); the resolution is kept with this frozen config, so calling it
+        again, or reading ``contract`` or ``anchor_config``, returns the same one."""
+        resolved = self.__dict__.get("_resolved")
+        if resolved is None:
+            resolved = ResolvedRun(self, self._resolve_contract())
+            object.__setattr__(self, "_resolved", resolved)
+        return resolved
+
+    @property
     def contract(self) -> PrivacyContract:
-        """The run's privacy contract, sigma resolved once: as given, or the smallest that
-        spends ``target_epsilon`` over ``steps_per_party`` releases; 0 for Langevin, whose
-        noise comes from its prior variance and whose events from its schedule."""
+        """``resolve().contract``: the run's privacy contract (the server reads it here)."""
+        return self.resolve().contract
+
+    @property
+    def anchor_config(self) -> GEPConfig:
+        """``resolve().anchor_config``: the server's anchor-subspace step configuration."""
+        return self.resolve().anchor_config
+
+    def _resolve_contract(self) -> PrivacyContract:
+        """The run's privacy contract: sigma as given, or the smallest that spends
+        ``target_epsilon`` over ``steps_per_party`` releases; 0 for Langevin, whose noise
+        comes from its prior variance and whose events from its schedule."""
         clips = {
             "clip_embedding": self.clip_embedding,
             "clip_residual": self.clip_residual,
@@ -389,18 +514,6 @@ class FederationConfig:
             math.sqrt(base.mechanism_type.releases) * (batch + 8 * math.sqrt(batch) + 8),
             self.num_sites,
             budget,
-        )
-
-    @property
-    def anchor_config(self) -> GEPConfig:
-        """The server's step configuration for the anchor subspace (public data only)."""
-        return GEPConfig(
-            self.contract,
-            num_basis=self.num_basis,
-            num_anchors=self.num_anchors,
-            power_iterations=self.power_iterations,
-            anchor_labels=self.anchor_labels,
-            max_chunk=self.max_chunk,
         )
 
     def to_record(self) -> dict:
@@ -466,3 +579,33 @@ class FederationConfig:
         template = {f.name.replace("_", "-"): RUN_CONFIG_DEFAULT for f in fields(cls)}
         template["task"] = cls.__dataclass_fields__["task"].default
         return template
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A ``FederationConfig`` resolved (``FederationConfig.resolve``): its settings and what
+    they determine, computed once before the run starts.
+
+    Attributes:
+        config: the settings.
+        contract: the privacy contract every site receives and the server's mechanism
+            follows: sigma as given or calibrated to spend the budget over the run; in
+            distributed mode also the quantisation, sized from the task's model and
+            training set; sigma 0 for Langevin.
+    """
+
+    config: FederationConfig
+    contract: PrivacyContract
+
+    @property
+    def anchor_config(self) -> GEPConfig:
+        """The server's step configuration for the anchor subspace (public data only)."""
+        cfg = self.config
+        return GEPConfig(
+            self.contract,
+            num_basis=cfg.num_basis,
+            num_anchors=cfg.num_anchors,
+            power_iterations=cfg.power_iterations,
+            anchor_labels=cfg.anchor_labels,
+            max_chunk=cfg.max_chunk,
+        )

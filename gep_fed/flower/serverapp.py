@@ -89,6 +89,7 @@ def make_server_app(
     def main(grid: Grid, context: Context) -> None:
         began = time.perf_counter()
         config = fed if fed is not None else FederationConfig.from_record(context.run_config)
+        config.resolve()  # the privacy contract, sigma calibrated, before the first round
         request = stop if stop is not None else _stop_on_flower_exit()
         run = RunDirectory(config.run_directory(context.run_id))
         done = completed_rounds(run)

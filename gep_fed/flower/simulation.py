@@ -240,6 +240,7 @@ def simulate(
         stamp = time.strftime("%Y%m%d-%H%M%S")
         fed = replace(fed, run_name=f"{stamp}-{fed.mode}-{fed.mechanism}")
         resume += f" with --run-name {fed.run_name}"
+    fed.resolve()  # the privacy contract, sigma calibrated: an unreachable budget stops here
     done: dict = {}
     began = time.perf_counter()
     stop = StopRequest()
