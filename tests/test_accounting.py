@@ -197,6 +197,8 @@ def test_a_ledger_record_keeps_its_flat_format_around_the_dp_accounting_event():
         PrivacyEvent.from_dict({**old, "colour": "red"})
     with pytest.raises(ValueError, match="distributed events only"):
         PrivacyEvent.from_dict({**old, "placement": "local"})
+    with pytest.raises(ValueError, match="adjacency must be one of"):
+        PrivacyEvent.from_dict({**old, "adjacency": "swap-two"})
 
 
 def test_events_of_different_adjacency_do_not_compose():

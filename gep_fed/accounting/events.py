@@ -81,8 +81,8 @@ def neighboring_relation(adjacency: NeighboringRelation | str | None) -> Neighbo
         return relation.ADD_OR_REMOVE_ONE
     if isinstance(adjacency, str) and adjacency in ADJACENCIES:
         return relation[ADJACENCIES[adjacency]]
-    names = {getattr(relation, name) for name in ADJACENCIES.values()}
-    if adjacency not in names:
+    members = {relation[name] for name in ADJACENCIES.values()}
+    if adjacency not in members:
         raise ValueError(
             f"adjacency must be one of {tuple(ADJACENCIES)} (NeighboringRelation."
             f"{'/'.join(ADJACENCIES.values())}), got {adjacency!r}"
