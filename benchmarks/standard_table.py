@@ -422,7 +422,7 @@ def issue54_section(records: list[dict]) -> list[str]:
             f"### Epsilon {eps:g}, {model}, grid {grid}: validation",
             "",
             "| method | lever | setting | TAN R | seed | val acc | change vs grid winner | "
-            "target epsilon RDP / PLD | steps | wall s |",
+            "target epsilon RDP / PLD | steps | wall / CPU s |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         shown = set()
@@ -486,7 +486,7 @@ def _val54_row(r: dict, label: str, base: dict | None) -> str:
     return (
         f"| {r['method']} | {label} | {fmt_setting(r['method'], r['setting'])} | "
         f"{r.get('tan', 1)} | {r.get('seed', 0)} | {100 * r['accuracy']:.2f} | {change} | "
-        f"{eps} | {r['steps']} | {r['seconds']:.0f} |"
+        f"{eps} | {r['steps']} | {_seconds(r)} |"
     )
 
 
