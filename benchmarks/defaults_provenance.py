@@ -45,6 +45,8 @@ def validation_winner(dataset: str, method: str) -> dict:
         if r["stage"] == "tune"  # keyed by setting: a run an earlier grid shared is reused
         and r["method"] == method
         and "lever" not in r
+        and r.get("seed", 0) == 0  # the grid is tuned at seed 0
+        and not r.get("beside_levers")
         and r["setting"] in settings
     ]
     if len(tuned) != len(settings):
@@ -57,6 +59,10 @@ def validation_winner(dataset: str, method: str) -> dict:
         and r["method"] == method
         and "lever" not in r
         and r["setting"] == best["setting"]
+        # the seed-0 final of the honest protocol: not a retraining at another seed, nor a
+        # run under the GEP paper's protocol (issue 54: a comparison, never a result)
+        and r.get("seed", 0) == 0
+        and r.get("protocol", "honest") == "honest"
     ]
     if not finals:
         raise ValueError(f"{dataset} {method}: the tested setting is not the validation winner")
