@@ -279,3 +279,59 @@ def test_the_command_line_fails_when_no_trial_finished(tmp_path, monkeypatch, ca
         "failed: the model was not updated in round(s) 1"
         in (tmp_path / "t" / "tune.md").read_text()
     )
+
+
+@pytest.mark.slow
+def test_the_task_guides_first_run_tunes_the_hospital_example(tmp_path, monkeypatch, capsys):
+    """docs/tasks.md's first run, as written, on the worked example: three hospitals' PNG
+    folders of 60 PneumoniaMNIST images each, 2 rounds a trial."""
+    import re
+    import tomllib
+
+    import numpy as np
+    from conftest import SHARED_DATA, shared_file
+    from PIL import Image
+
+    from gep_fed.cli.main import main
+
+    data = np.load(shared_file("medmnist/pneumoniamnist.npz"))
+    images, labels = data["train_images"], data["train_labels"].ravel()
+    sites = []
+    for n, site in enumerate(("hospital-a", "hospital-b", "hospital-c")):
+        for i in range(60 * n, 60 * (n + 1)):
+            folder = tmp_path / site / ("normal", "pneumonia")[labels[i]]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(images[i]).save(folder / f"{i}.png")
+        sites += ["--site-data", f"{site}={tmp_path / site}"]
+    root = Path(__file__).parents[1]
+    guide = (root / "docs" / "tasks.md").read_text()
+    section = guide.split("## Your first run")[1].split("\n## ")[0]
+    (command,) = re.findall(r"```bash\n(gep-fed tune .*?)```", section, re.S)
+    args = command.replace("\\\n", " ").split()[1:]
+    assert args[args.index("--task") + 1] == "examples/hospital/task.py:ChestXrayFolders"
+    declared = root / args[args.index("--candidates") + 1]
+    table = tomllib.loads(declared.read_text())
+    models = [c["model"] for c in table["candidate"]]
+    assert models == ["scatter-linear", "scatter-linear", "public-pretrained"]
+    small = tmp_path / "candidates.toml"  # the same candidates, 2 rounds and 100 anchors
+    small.write_text(
+        declared.read_text()
+        .replace("rounds = 40", "rounds = 2")
+        .replace(
+            "[base]\n",
+            f'[base]\nnum-public = 100\nnum-anchors = 100\ndata-dir = "{SHARED_DATA}"\n',
+        )
+    )
+    args[args.index("--candidates") + 1] = str(small)
+    monkeypatch.chdir(root)
+    out = tmp_path / "tune"
+    command = [*args, *sites, "--engine", "in-process", "--out", str(out)]
+    assert main(command) == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    for n in (1, 2, 3):
+        assert f"trial {n}/3: candidate {n}" in printed
+    saved = json.loads((out / "tune.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["finished"] * 3
+    assert set(saved["sites"]) == {"hospital-a", "hospital-b", "hospital-c"}
+    assert saved["total_epsilon"] == 8 and saved["procedure_epsilon"]["rdp"] <= 8
+    assert all(site["steps"] == 3 * 2 for site in saved["sites"].values())

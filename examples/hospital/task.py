@@ -6,8 +6,12 @@ named in the run config as ``task = "examples.hospital.task:ChestXrayFolders"``.
 - A deployed site reads its own ``data-path``: an ImageFolder layout with the class folders
   ``normal/`` and ``pneumonia/`` of PNG files (``deploy/make_site_data.py --format png`` writes
   one per site from PneumoniaMNIST's train split).
-- The server evaluates on PneumoniaMNIST's test split from its data folder, and its anchors
-  are public photograph patches (no medical data).
+- The server evaluates on PneumoniaMNIST's test split from its data folder, keeps the best
+  round's model by its validation split (``gep-fed tune`` chooses by it too; neither is a
+  site's data), and its anchors are public photograph patches (no medical data).
+- Its own model is a small CNN; ``--model scatter-linear`` or ``public-pretrained`` runs the
+  same task on a feature front instead (``gep_fed.data.fronts``), and ``candidates.toml``
+  beside this file is the first run's private selection among them (docs/tasks.md).
 - A simulation partitions the train split.
 """
 
@@ -47,6 +51,9 @@ class ChestXrayFolders(Task):
 
     def eval_dataset(self) -> Dataset:
         return MedMNISTDataset(self.medmnist_file, "test", TRANSFORM)
+
+    def validation_dataset(self) -> Dataset:
+        return MedMNISTDataset(self.medmnist_file, "val", TRANSFORM)
 
     def public_dataset(self) -> Dataset:
         patches = sample_photo_patches(self.settings.num_public, 28, seed=self.settings.seed)

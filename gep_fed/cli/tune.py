@@ -82,6 +82,19 @@ def add_tune_parser(sub) -> None:
         help="also run every candidate once at the whole budget and report the best on "
         "validation: a non-private selection, labelled OUTSIDE THE GUARANTEE",
     )
+    p.add_argument(
+        "--site-data",
+        action="append",
+        metavar="NAME=PATH",
+        help="a simulated site with its own data (as gep-fed simulate's), the same in every "
+        "trial; repeat it for each site. Default: shares of the task's pooled data",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("ray", "in-process"),
+        default="ray",
+        help="how each trial's simulation runs (as gep-fed simulate's)",
+    )
     p.add_argument("--run-dir", help="where the tuning's folder goes (default: runs)")
     p.add_argument("--out", help="the tuning's folder (default: <run-dir>/tune-<time>)")
     p.set_defaults(func=run_tune)
@@ -120,7 +133,13 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    result = tune(config, log=print, simulate_options={"progress": sys.stderr.isatty()})
+    from gep_fed.cli.main import _site_data
+
+    options = {"progress": sys.stderr.isatty(), "engine": args.engine}
+    site_data = _site_data(args.site_data)
+    if site_data:
+        options["site_data"] = site_data
+    result = tune(config, log=print, simulate_options=options)
     print("")
     if result.stopped:
         print(f"stopped early: {result.stopped}")

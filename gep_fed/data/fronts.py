@@ -31,6 +31,7 @@ photograph patches are generated locally).
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -54,6 +55,19 @@ PRETRAIN_CHANNELS = (32, 64, 64)
 PRETRAIN_EPOCHS = 15
 PRETRAIN_BATCH = 128
 PRETRAIN_LR = 1e-3
+# Fronted data sets and pretrained fronts kept in this process's memory (never on disk), by
+# the digest of their inputs: a simulation's server and sites, and a tuning's trials, read
+# the same examples through the same front once.
+MEMORY_ENTRIES = 6
+_features_memo: OrderedDict[str, tuple[torch.Tensor, dict[int, str]]] = OrderedDict()
+_extractor_memo: OrderedDict[str, nn.Module] = OrderedDict()
+
+
+def _remember(memo: OrderedDict, key: str, value):
+    memo[key] = value
+    while len(memo) > MEMORY_ENTRIES:
+        memo.popitem(last=False)
+    return value
 
 
 def build_task(cls: type[Task], settings: TaskSettings) -> Task:
@@ -85,8 +99,10 @@ class FrontDataset(Dataset):
     front's, keeps its error: reading it raises ``DataError`` (a site's ``CheckedExamples``
     then leaves it out of every sample and its site check names it)."""
 
-    def __init__(self, inner: Dataset, front: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.inner, self.front = inner, front
+    def __init__(
+        self, inner: Dataset, front: Callable[[list[torch.Tensor]], torch.Tensor], name: str
+    ) -> None:
+        self.inner, self.front, self.name = inner, front, name
         self._features: torch.Tensor | None = None
         self._labels: list[torch.Tensor] = []
         self._errors: dict[int, str] = {}
@@ -98,6 +114,7 @@ class FrontDataset(Dataset):
         if self._features is not None:
             return self._features
         rows, kept = [], []
+        self._labels, self._errors = [], {}
         for i in range(len(self.inner)):
             try:
                 x, y = self.inner[i]
@@ -107,27 +124,39 @@ class FrontDataset(Dataset):
             except Exception as err:  # kept, and raised when the example is read
                 self._labels.append(torch.tensor(-1))
                 self._errors[i] = f"cannot be read: {err}"
-        features = None
+        for index, x in zip(kept, rows, strict=True):
+            if x.ndim != 3:
+                raise DataError(
+                    f"example {index}: a front takes (C, H, W) images, got shape {tuple(x.shape)}"
+                )
+        digest = hashlib.sha256(f"{self.name} {kept}".encode())
+        for x in rows:
+            digest.update(f"{tuple(x.shape)}".encode())
+            digest.update(x.numpy().tobytes())
+        key = digest.hexdigest()
+        if key not in _features_memo:
+            _remember(_features_memo, key, self._through_front(rows, kept))
+        features, errors = _features_memo[key]
+        self._errors.update(errors)
+        self._features = features
+        return features
+
+    def _through_front(
+        self, rows: list[torch.Tensor], kept: list[int]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        if not rows:
+            raise DataError("no example of the data set can be read")
+        features, errors = None, {}
         for start in range(0, len(rows), 256):
-            batch = rows[start : start + 256]
-            for offset, x in enumerate(batch):
-                if x.ndim != 3:
-                    raise DataError(
-                        f"example {kept[start + offset]}: a front takes (C, H, W) images, "
-                        f"got shape {tuple(x.shape)}"
-                    )
-            out = self.front(batch)
+            out = self.front(rows[start : start + 256])
             if features is None:
                 features = torch.zeros(len(self.inner), *out.shape[1:])
             for offset, row in enumerate(out):
                 index = kept[start + offset]
                 if torch.isnan(row).all():
-                    self._errors[index] = "its channels do not match the front's"
+                    errors[index] = "its channels do not match the front's"
                 features[index] = row
-        if features is None:
-            raise DataError("no example of the data set can be read")
-        self._features = features
-        return features
+        return features, errors
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         features = self._compute()
@@ -200,6 +229,8 @@ class FrontedTask(Task):
     def extractor(self) -> nn.Module:
         """The pretrained front: trained on the public data once per process, then frozen."""
         if self._extractor is None:
+            self._extractor = _extractor_memo.get(self._extractor_key())
+        if self._extractor is None:
             rows = []
             for i in range(len(self._public_inner)):
                 try:
@@ -213,11 +244,32 @@ class FrontedTask(Task):
                     )
                 rows.append(resize(x.unsqueeze(0), self.size)[0])
             images = torch.stack(rows)
-            self._extractor = pretrain_on_rotations(images, seed=self.settings.seed)
+            self._extractor = _remember(
+                _extractor_memo,
+                self._extractor_key(),
+                pretrain_on_rotations(images, seed=self.settings.seed),
+            )
         return self._extractor
 
+    def _extractor_key(self) -> str:
+        """What decides the pretrained front: the public examples, their size, the seed."""
+        if getattr(self, "_key", None) is None:
+            digest = hashlib.sha256(f"{self.size} {self.settings.seed}".encode())
+            for i in range(len(self._public_inner)):
+                try:
+                    x = torch.as_tensor(self._public_inner[i][0], dtype=torch.float32)
+                except Exception:  # named when the front is trained
+                    digest.update(f"unreadable {i}".encode())
+                    continue
+                digest.update(x.numpy().tobytes())
+            self._key = digest.hexdigest()
+        return self._key
+
     def _served(self, dataset: Dataset) -> Dataset:
-        return FrontDataset(dataset, self._front)
+        name = f"{self.architecture} {self.channels} {self.size}"
+        if self.architecture == PRETRAINED_FRONT:
+            name += f" {self._extractor_key()}"
+        return FrontDataset(dataset, self._front, name)
 
     # -- the task ----------------------------------------------------------------------
 
