@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-repeats", type=int, default=10)
     ap.add_argument("--chain", type=int, default=4, help="refreshes along the moving model")
+    ap.add_argument(
+        "--held", type=int, default=None, help="fresh anchors the energy is measured on (m)"
+    )
     ap.add_argument("--max-chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     cfg = GEPConfig(
         PrivacyContract("gep", 1.0, 0.01), num_basis=k, max_chunk=args.max_chunk, groups=groups
     )
-    held = public[args.num_anchors :]  # fresh anchors to measure the captured energy on
+    held = public[args.num_anchors :][: args.held]  # fresh anchors for the captured energy
     public = public[: args.num_anchors]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     chains = {name: None for name, _, _ in variants(args.num_anchors)}
