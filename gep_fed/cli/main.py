@@ -150,7 +150,7 @@ def _quiet_logs() -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from gep_fed.federation.report import render_report, summary_lines
-    from gep_fed.flower.simulation import simulate
+    from gep_fed.flower.simulation import simulate, site_data_from_pairs
 
     if args.show_settings:
         print("\n".join(settings_lines(args)))
@@ -161,7 +161,7 @@ def _simulate(args: argparse.Namespace) -> int:
     result = simulate(
         fed,
         progress=True,
-        site_data=_site_data(args.site_data),
+        site_data=site_data_from_pairs(args.site_data),
         drop_bad_examples=args.drop_bad_examples,
         engine=args.engine,
     )
@@ -179,21 +179,6 @@ def _simulate(args: argparse.Namespace) -> int:
         print("(site failures allowed: --allow-site-failures)", file=sys.stderr)
         failures = []
     return 0 if result.stop_reason is None and not failures else 1
-
-
-def _site_data(pairs: list[str] | None) -> dict[str, str] | None:
-    """``--site-data NAME=PATH`` options as ``{name: path}`` (None: none given)."""
-    if not pairs:
-        return None
-    out = {}
-    for pair in pairs:
-        name, sep, path = pair.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError(f"--site-data must be NAME=PATH, got {pair!r}")
-        if name in out:
-            raise ConfigError(f"--site-data names site {name!r} twice")
-        out[name] = path
-    return out
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -133,10 +133,10 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    from gep_fed.cli.main import _site_data
+    from gep_fed.flower.simulation import site_data_from_pairs
 
     options = {"progress": sys.stderr.isatty(), "engine": args.engine}
-    site_data = _site_data(args.site_data)
+    site_data = site_data_from_pairs(args.site_data)
     if site_data:
         options["site_data"] = site_data
     result = tune(config, log=print, simulate_options=options)

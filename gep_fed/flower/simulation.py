@@ -179,6 +179,22 @@ def _first_interrupt_stops(stop: StopRequest, committed: list[int], resume: str)
         signal.signal(signal.SIGINT, previous)
 
 
+def site_data_from_pairs(pairs: list[str] | None) -> dict[str, str] | None:
+    """``--site-data NAME=PATH`` options (``gep-fed simulate``, ``tune``) as ``simulate``'s
+    ``site_data``, ``{name: path}`` (None: none given)."""
+    if not pairs:
+        return None
+    out = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--site-data must be NAME=PATH, got {pair!r}")
+        if name in out:
+            raise ConfigError(f"--site-data names site {name!r} twice")
+        out[name] = path
+    return out
+
+
 def simulate(
     fed: FederationConfig,
     progress: bool = True,
