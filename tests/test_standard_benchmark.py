@@ -22,6 +22,12 @@ def _model_options(record: dict) -> list[str]:
 
 def _args(record: dict):
     tan = record.get("tan", 1) if record["stage"] == "tune" else 8
+    args = _parsed(record, tan)
+    args.protocol = record.get("protocol", "honest")  # issue 54: the paper's, finals only
+    return args
+
+
+def _parsed(record: dict, tan: int):
     return standard.parse_args(
         [
             "--dataset",
