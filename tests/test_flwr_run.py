@@ -134,7 +134,9 @@ def test_flwr_stop_ends_a_run_between_rounds_and_it_resumes_from_there(tmp_path)
 
     _, command, port, env = readme_flwr_run(tmp_path)
     runs = tmp_path / "runs"
-    longer = f" --run-config \"rounds=50 local-steps=1 run-dir='{runs}' run-name='r'\""
+    # 500 rounds: the run must still be going when Ctrl-C and `flwr ls` come (50 rounds of
+    # one step once finished first on a quiet machine)
+    longer = f" --run-config \"rounds=500 local-steps=1 run-dir='{runs}' run-name='r'\""
     flwr = f"PATH={BIN}:$PATH flwr"
     metrics = runs / "r" / "metrics.jsonl"
     try:
@@ -175,4 +177,4 @@ def test_flwr_stop_ends_a_run_between_rounds_and_it_resumes_from_there(tmp_path)
     line = json.loads(outcome.read_text())["interrupted"]
     done = torch.load(runs / "r" / "checkpoint.pt", weights_only=True)["round"]
     assert line == f"interrupted after round {done}: rerun the same command to resume"
-    assert done == len(metrics.read_text().splitlines()) < 50
+    assert done == len(metrics.read_text().splitlines()) < 500
