@@ -5,7 +5,8 @@ For each data set's protocol grid (the ScatterNet + linear head at the data set'
 epsilon) and each of GEP and GP: the grid setting with the best validation accuracy, checked
 to be the setting retrained and tested (chosen on validation, never on the test split), with
 its validation and test accuracy. For the small-data recipe (``SMALL_DATA_RECIPE``): GEP's best
-validation point of ``small_data.py`` on PneumoniaMNIST.
+validation point of ``small_data.py`` on PneumoniaMNIST (its clip and step), and the candidate
+that ``dev_sets.py`` chose on five development sets (model, mechanism, schedule, averaging).
 
     python benchmarks/defaults_provenance.py          # rewrite results/defaults.json
     python benchmarks/defaults_provenance.py --check  # exit 1 if the file is not what the logs say
@@ -18,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import dev_sets
 import standard
 
 HERE = Path(__file__).parent
@@ -96,6 +98,7 @@ def provenance() -> dict:
     return {
         "standard": {d: {m: validation_winner(d, m) for m in METHODS} for d in GRIDS},
         "small_data": small_data_winner(),
+        "dev_sets": dev_sets.library_default(),
     }
 
 

@@ -22,6 +22,7 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 standard = pytest.importorskip("standard")
 defaults_provenance = pytest.importorskip("defaults_provenance")
+dev_sets = pytest.importorskip("dev_sets")
 
 PROVENANCE = json.loads((BENCHMARKS / "results" / "defaults.json").read_text())
 GRIDS = defaults_provenance.GRIDS
@@ -135,11 +136,11 @@ def test_the_recommended_sample_rate_takes_a_whole_number_of_batches_per_epoch()
         assert math.isclose(1 / q, round(1 / q))
 
 
-def test_a_new_tasks_defaults_are_the_small_data_sweeps_validation_winner():
+def test_a_new_tasks_step_is_the_small_data_sweeps_validation_winner():
     """SMALL_DATA_RECIPE is GEP's best validation setting of benchmarks/small_data.py
-    (PneumoniaMNIST, 1,000 images, epsilon 8), which MedMNIST tasks recommend with its model
-    and every user task gets unless it declares its own."""
-    from gep_fed.data.builtin_tasks import DigitsTask, MedMnistTask
+    (PneumoniaMNIST, 1,000 images, epsilon 8), which every user task gets unless it declares
+    its own."""
+    from gep_fed.data.builtin_tasks import DigitsTask
     from gep_fed.data.task import SMALL_DATA_RECIPE, Task
 
     best = PROVENANCE["small_data"]["point"]
@@ -147,6 +148,23 @@ def test_a_new_tasks_defaults_are_the_small_data_sweeps_validation_winner():
     assert recipe["sample_rate"] == best["sample_rate"] and recipe["rounds"] == best["steps"]
     assert recipe["clip_embedding"] == best["clip"] == 2 * recipe["clip_residual"]
     assert recipe["server_lr"] == pytest.approx(best["lr_times_clip"] / best["clip"])
-    assert MedMnistTask.recommended_settings == {"model": best["model"], **recipe}
     assert Task.recommended_settings is recipe
     assert DigitsTask.recommended_settings == {}  # the main job keeps its own defaults
+
+
+def test_a_small_image_tasks_defaults_are_the_candidate_the_development_sets_chose():
+    """SMALL_IMAGE_RECIPE (model included) is the candidate of benchmarks/dev_sets.py with
+    the best mean validation score over five development sets, every seed of every candidate
+    logged: the library default, chosen by the selection without privacy, never on a test
+    split. MedMNIST recommends it."""
+    from gep_fed.data.builtin_tasks import MedMnistTask
+    from gep_fed.data.task import SMALL_IMAGE_RECIPE
+
+    chosen = PROVENANCE["dev_sets"]
+    means = {int(i): m for i, m in chosen["mean_validation"].items()}
+    assert len(chosen["seeds"]) >= 5 and all(len(s) >= 5 for s in chosen["seeds"].values())
+    assert (
+        len(means) == len(dev_sets.CANDIDATES) and max(means, key=means.get) == chosen["candidate"]
+    )
+    assert dict(SMALL_IMAGE_RECIPE) == chosen["settings"]
+    assert MedMnistTask.recommended_settings is SMALL_IMAGE_RECIPE
