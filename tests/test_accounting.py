@@ -50,6 +50,26 @@ def test_calibration_returns_the_smallest_sigma_meeting_the_target(mechanism, ta
     assert epsilon_rdp([mechanism_class(mechanism).event(sigma - 2e-3, q, steps)], delta) > target
 
 
+def test_a_remembered_calibration_follows_what_a_step_releases(monkeypatch):
+    """Calibrations are remembered by the release they calibrate, not by name: GEP counted as
+    one release (as a broken variant counts it) gets its own, smaller sigma, and the honest
+    one is the same after."""
+    args = (4.0, 1e-5, 0.03, 300)
+    honest = calibrate_noise_multiplier(*args, "gep")
+    monkeypatch.setattr(GEP, "releases", 1)
+    one_release = calibrate_noise_multiplier(*args, "gep")
+    assert one_release == pytest.approx(honest / math.sqrt(2), rel=1e-3)
+    monkeypatch.undo()
+    assert calibrate_noise_multiplier(*args, "gep") == honest
+
+
+def test_pld_epsilon_of_a_composition_is_the_same_asked_twice_or_split():
+    events = [GP.event(1.1, 0.05, 60), GP.event(1.1, 0.05, 40)]
+    first = epsilon_pld(events, 1e-5)
+    assert epsilon_pld(events, 1e-5) == first == epsilon_pld([GP.event(1.1, 0.05, 100)], 1e-5)
+    assert epsilon_pld(events[:1], 1e-5) < first
+
+
 def test_impossible_target_is_an_error_not_a_silent_cap():
     with pytest.raises(ImpossibleTargetError, match="out of reach"):
         calibrate_noise_multiplier(0.01, 1e-5, 1.0, 10_000, "gp")

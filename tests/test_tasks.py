@@ -180,8 +180,9 @@ def test_cifar10_with_resnet20_gn_trains_a_client_mode_round_reduced(tmp_path):
 
 @pytest.mark.slow
 def test_scatter_linear_trains_on_digits_in_a_flower_simulation(tmp_path, monkeypatch):
-    """ScatterNet features + linear head through the whole federation (the sites' Ray workers
-    compute or read the cached features of the pooled data)."""
+    """ScatterNet features + linear head through the whole federation, Flower's apps run in
+    process (the sites compute or read the cached features of the pooled data; processes
+    sharing the cache: tests/test_files.py)."""
     monkeypatch.setenv("GEP_FED_CACHE", str(tmp_path / "cache"))
     fed = FederationConfig(
         task="digits",
@@ -194,7 +195,7 @@ def test_scatter_linear_trains_on_digits_in_a_flower_simulation(tmp_path, monkey
         run_dir=str(tmp_path),
         run_name="r",
     )
-    result = simulate(fed, progress=False)
+    result = simulate(fed, progress=False, engine="in-process")
     assert all(m["sites_ok"] == 3 and m["applied"] for m in result.metrics)
     assert result.metrics[-1]["test_accuracy"] > 0.2  # 10 classes: above chance after 4 steps
 

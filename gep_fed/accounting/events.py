@@ -428,7 +428,15 @@ def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
     _check_delta(delta)
     if not events:
         return 0.0
-    event = compose(events)
+    _relation(events)
+    return _pld_epsilon(tuple(_merged(events)), delta)
+
+
+# Pure in its arguments, and asked the same question often (every site's ledger after every
+# round holds the same composition; a tuning re-reads them): seconds each at many steps.
+@functools.lru_cache(maxsize=256)
+def _pld_epsilon(merged: tuple[tuple[dp_accounting.DpEvent, int], ...], delta: float) -> float:
+    event = _dp().ComposedDpEvent([_composed(release, steps) for release, steps in merged])
     accountant = _dp().pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     if not accountant.supports(event):
         return math.nan

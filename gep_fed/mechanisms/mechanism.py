@@ -446,9 +446,20 @@ def calibrate_noise_multiplier(
     ``ImpossibleTargetError`` when no sigma up to 1e4 reaches the target.
     """
     cls = mechanism_class(mechanism) if isinstance(mechanism, str) else mechanism
-    return calibrate(
-        target_epsilon,
-        delta,
-        lambda s: cls.event(s, sample_rate, steps, count_noise=count_noise),
-        tol,
-    )
+
+    def event_for(sigma: float) -> PrivacyEvent:
+        return cls.event(sigma, sample_rate, steps, count_noise=count_noise)
+
+    # Keyed by the release at sigma = 1, which fixes every sigma's (q, steps, how many
+    # vectors a step releases, the count's noise).
+    key = (target_epsilon, delta, tol, cls, event_for(1.0))
+    if key not in _CALIBRATED:
+        if len(_CALIBRATED) >= 256:
+            _CALIBRATED.pop(next(iter(_CALIBRATED)))
+        _CALIBRATED[key] = calibrate(target_epsilon, delta, event_for, tol)
+    return _CALIBRATED[key]
+
+
+# A pure function, asked again by every resolution of the same run's settings (a tuning
+# resolves each trial's several times): about a second each at hundreds of steps.
+_CALIBRATED: dict[tuple, float] = {}
