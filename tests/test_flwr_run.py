@@ -12,45 +12,11 @@ import pytest
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
-from helpers import BIN, free_port, simulation_superlink, stop_local_superlinks
+from helpers import BIN, free_port, stop_local_superlinks
 
 ROOT = Path(__file__).parents[1]
 
 pytestmark = pytest.mark.slow  # `flwr run` on a simulation SuperLink
-
-
-def test_flwr_run_trains_on_a_local_simulation_superlink(tmp_path):
-    with simulation_superlink(tmp_path) as env:
-        run = subprocess.run(
-            [
-                str(BIN / "flwr"),
-                "run",
-                ".",
-                "sim",
-                "--stream",
-                "--federation-config",
-                "num-supernodes=3",
-                "--run-config",
-                f"rounds=2 local-steps=2 run-dir='{tmp_path / 'runs'}' run-name='r'",
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    out = RunDirectory.open(tmp_path / "runs" / "r")
-    assert [r["round"] for r in out.read_metrics()] == [1, 2]
-    # the settings flwr run resolved are the library's (and gep-fed simulate's) for these inputs
-    library = FederationConfig.for_task(
-        rounds=2, local_steps=2, run_dir=str(tmp_path / "runs"), run_name="r"
-    )
-    resolved = out.read_json("config.json")
-    assert {k: resolved[k] for k in library.to_record()} == library.to_record()
-    for site in range(3):
-        ledger = PrivacyLedger.load_keyed(out.path / "sites" / f"site-{site}" / "ledger.json")
-        assert ledger.steps == 4
 
 
 def test_every_dependency_is_left_out_of_flowers_runtime_installation():
@@ -90,8 +56,8 @@ def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
     """The README's `flwr run` command, as written (a short run config appended), with no
     package index reachable and an empty uv cache: Flower starts its own local SuperLink
     (with runtime installation on, its default), installs nothing, and the ServerApp prints
-    the summary `gep-fed simulate` prints and writes report.md; the README's command to stop
-    that SuperLink matches it."""
+    the summary `gep-fed simulate` prints and writes report.md, with the settings the library
+    resolves for the same inputs; the README's command to stop that SuperLink matches it."""
     readme, command, port, env = readme_flwr_run(tmp_path)
     runs = tmp_path / "runs"
     short = f" --run-config \"rounds=2 local-steps=2 run-dir='{runs}' run-name='r'\""
@@ -119,6 +85,15 @@ def test_the_readmes_flwr_run_finishes_offline_and_prints_the_summary(tmp_path):
     assert f"run directory: {runs / 'r'}" in run.stdout
     for name in ("report.md", "accuracy.png", "epsilon.png"):
         assert (runs / "r" / name).exists(), name
+    out = RunDirectory.open(runs / "r")
+    assert [r["round"] for r in out.read_metrics()] == [1, 2]
+    # the settings flwr run resolved are the library's (and gep-fed simulate's) for these inputs
+    library = FederationConfig.for_task(rounds=2, local_steps=2, run_dir=str(runs), run_name="r")
+    resolved = out.read_json("config.json")
+    assert {k: resolved[k] for k in library.to_record()} == library.to_record()
+    for site in range(3):
+        ledger = PrivacyLedger.load_keyed(out.path / "sites" / f"site-{site}" / "ledger.json")
+        assert ledger.steps == 4
     print(f"README flwr run, offline: {time.monotonic() - began:.1f} s")
 
 
