@@ -242,11 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                         num_sites=sites,
                         partition=partition,
                         target_epsilon=args.epsilon,
-                        noise_seed=5,
                         run_dir=str(out / "runs"),
                         run_name=run_key.replace("/", "_"),
                         **({"rounds": args.rounds} if args.rounds else {}),
-                        **settings,
+                        **{"noise_seed": 5, **settings},  # a second seed: --set seed=1 noise_seed=6
                     )
                     fed = compare_cell(base, args.epsilon, args.mechanism, mode, run_key)
                     print(f"running {run_key}", file=sys.stderr, flush=True)
