@@ -15,6 +15,28 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", _threads)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# Under `--dist loadfile` a file is one unit of work, handed out in collection order
+# (`--no-loadscope-reorder`: xdist would otherwise put files with the most tests first, and
+# these few long end-to-end tests last, where one worker runs them while the other waits).
+LONGEST_FIRST = (
+    "test_deployment.py",
+    "test_app_pinning.py",
+    "test_cli.py",
+    "test_flwr_run.py",
+    "test_simulation.py",
+    "test_tune.py",
+    "test_tasks.py",
+    "test_hospital_run.py",
+    "test_audit.py",
+    "test_flower_app.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep order
+
+
 SHARED_DATA = Path(
     os.environ.get("GEP_FED_SHARED_DATA", Path(__file__).parents[1] / ".." / "shared" / "data")
 ).resolve()
