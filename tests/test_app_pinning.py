@@ -71,6 +71,22 @@ def test_the_pin_of_a_bundle_is_the_sha256_of_its_bytes_as_file_bytes_or_folder(
     assert fab_pin(project) == digest  # what `flwr run tiny` sends: the same bytes
 
 
+def test_the_projects_bundle_holds_the_code_a_site_runs_and_nothing_of_the_lab():
+    """What `flwr run .` sends and a hospital pins: the library, the apps, the examples and
+    the deployment scripts; never the benchmarks' logs, the docs or the tests."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    fab = build_fab_from_disk(ROOT)
+    names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {"gep_fed", "server", "client", "examples"} <= tops
+    assert not tops & {"benchmarks", "docs", "simulations", "tests"}, sorted(tops)
+    assert "examples/hospital/task.py" in names and len(fab) < 2_000_000
+
+
 def test_pins_must_be_full_sha256_digests():
     digest = "ab" * 32
     assert parse_pins(f" {digest.upper()} ,{'cd' * 32}") == {digest, "cd" * 32}
