@@ -19,7 +19,7 @@ def gep_fed(*args, check=True):
 
 
 @pytest.mark.slow
-def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path):
+def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path, capsys):
     proc = gep_fed("simulate", "--rounds", "2", "--run-dir", str(tmp_path))
     assert "test accuracy" in proc.stdout and "epsilon spent (each site)" in proc.stdout
     assert "wall time" in proc.stdout
@@ -39,7 +39,8 @@ def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path):
     report = (run_dir / "report.md").read_text()
     assert "mode **client**, mechanism **gep**" in report and "site `site-0`" in report
     (run_dir / "report.md").unlink()
-    assert gep_fed("report", str(run_dir)).stdout.strip() == str(run_dir / "report.md")
+    code, out, _ = in_process(capsys, "report", str(run_dir))
+    assert code == 0 and out.strip() == str(run_dir / "report.md")
     assert (run_dir / "report.md").read_text() == report
 
 
