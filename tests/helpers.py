@@ -167,3 +167,16 @@ def tiny_federation(run_dir, built_task, **settings):
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True, exist_ok=True)
     return FederationServer(fed, built_task, run, total_examples=len(built_task.train_dataset()))
+
+
+def gep_fed_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``gep-fed ARGS`` through the console script's own ``main``, in this process (tests that
+    need the installed command itself run it as a subprocess): exit status, stdout, stderr."""
+    from gep_fed.cli.main import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's refusals
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gep_fed.cli.main import build_parser
+from helpers import gep_fed_in_process
 
 GEP_FED = Path(sys.executable).parent / "gep-fed"
 
@@ -39,32 +40,19 @@ def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path, caps
     report = (run_dir / "report.md").read_text()
     assert "mode **client**, mechanism **gep**" in report and "site `site-0`" in report
     (run_dir / "report.md").unlink()
-    code, out, _ = in_process(capsys, "report", str(run_dir))
+    code, out, _ = gep_fed_in_process(capsys, "report", str(run_dir))
     assert code == 0 and out.strip() == str(run_dir / "report.md")
     assert (run_dir / "report.md").read_text() == report
 
 
-def in_process(capsys, *args) -> tuple[int, str, str]:
-    """``gep-fed ARGS`` through the console script's own ``main``, in this process (the
-    script itself runs as a subprocess in the tests above): exit status, stdout, stderr."""
-    from gep_fed.cli.main import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as exit_:  # argparse's refusals
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
-    code, out, _ = in_process(
+    code, out, _ = gep_fed_in_process(
         capsys, "calibrate", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "1000"
     )
     assert code == 0 and "sigma =" in out
     spent = float(out.split("RDP ")[1].split(",")[0])
     assert 1.99 <= spent <= 2.0
-    code, _, err = in_process(
+    code, _, err = gep_fed_in_process(
         capsys, "calibrate", "--epsilon", "0.001", "--sample-rate", "1", "--steps", "10000"
     )
     assert code == 2 and "out of reach" in err
@@ -80,7 +68,7 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
     ],
 )
 def test_bad_values_get_an_error_that_names_them(capsys, args, message):
-    code, _, err = in_process(capsys, *args)
+    code, _, err = gep_fed_in_process(capsys, *args)
     assert code == 2 and message in err
 
 

@@ -17,6 +17,7 @@ from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.simulation import SiteCheckFailed, check_simulated_sites, simulate
 from gep_fed.mechanisms.per_example import IncompatibleModelError
+from helpers import gep_fed_in_process
 
 TESTS = Path(__file__).parent
 TASK = "folder_task:FolderDigits"
@@ -116,16 +117,6 @@ def test_batchnorm_in_a_users_model_is_refused_by_name_on_the_server(tmp_path):
         FederationServer(fed, BatchNormDigits(TaskSettings(num_public=50)), run, None)
 
 
-class Ran:
-    """``gep-fed ARGS`` run through the console script's ``main`` in this process."""
-
-    def __init__(self, capsys, args) -> None:
-        from gep_fed.cli.main import main
-
-        self.returncode = main(list(args))
-        self.stdout, self.stderr = capsys.readouterr()
-
-
 @pytest.mark.slow
 def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed(tmp_path, capsys):
     folders = write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
@@ -151,27 +142,27 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed
     for name, path in folders.items():
         args += ["--site-data", f"{name}={path}"]
     args += ["--engine", "in-process"]  # what is tested is the run, not Ray
-    checked = Ran(capsys, args)
-    assert checked.returncode == 2  # refused before round 1: every example unreadable
-    lines = [x for x in checked.stderr.splitlines() if x.strip().startswith("hospital-")]
+    code, _, err = gep_fed_in_process(capsys, *args)
+    assert code == 2  # refused before round 1: every example unreadable
+    lines = [x for x in err.splitlines() if x.strip().startswith("hospital-")]
     assert len(lines) == 2 and all("no usable example" in x for x in lines)
-    ran = Ran(capsys, [*args, "--drop-bad-examples"])
-    assert ran.returncode == 1
-    failed = [x for x in ran.stderr.splitlines() if x.startswith("FAILED:")]
+    code, out, err = gep_fed_in_process(capsys, *args, "--drop-bad-examples")
+    assert code == 1
+    failed = [x for x in err.splitlines() if x.startswith("FAILED:")]
     assert "the model was not updated in round(s) 1-2" in failed[0]
     for name in folders:
         (line,) = [x for x in failed if x.startswith(f"FAILED: {name}:")]
         assert "refused in every round" in line and "site error: DataError" in line
-    (rounds,) = [x for x in ran.stdout.splitlines() if x.strip().startswith("rounds")]
+    (rounds,) = [x for x in out.splitlines() if x.strip().startswith("rounds")]
     assert "2 of 2: replies accepted from every site in 0 round(s)" in rounds
     assert "from none in 2; the model was updated in 0" in rounds
     # the hospitals fix their files and run the same command: the unapplied rounds were not
     # checkpointed, so the run resumes before round 1 and plays both again, now a success
     write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
-    fixed = Ran(capsys, [*args, "--drop-bad-examples"])
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
-    assert not [x for x in fixed.stderr.splitlines() if x.startswith("FAILED:")]
-    (rounds,) = [x for x in fixed.stdout.splitlines() if x.strip().startswith("rounds")]
+    code, out, err = gep_fed_in_process(capsys, *args, "--drop-bad-examples")
+    assert code == 0, err[-2000:]
+    assert not [x for x in err.splitlines() if x.startswith("FAILED:")]
+    (rounds,) = [x for x in out.splitlines() if x.strip().startswith("rounds")]
     assert "2 of 2: replies accepted from every site in 2 round(s)" in rounds
     assert "from none in 0; the model was updated in 2" in rounds
     metrics = RunDirectory(tmp_path / "runs" / "r").read_metrics()
@@ -224,10 +215,10 @@ def test_a_simulation_over_per_site_folders_reads_exactly_those_and_a_site_may_l
 def test_each_new_cli_error_is_one_line_and_leaves_no_run_directory(
     tmp_path, capsys, args, message
 ):
-    from gep_fed.cli.main import main
-
-    assert main(["simulate", *args, "--run-dir", str(tmp_path / "runs")]) == 2
-    err = capsys.readouterr().err
+    code, _, err = gep_fed_in_process(
+        capsys, "simulate", *args, "--run-dir", str(tmp_path / "runs")
+    )
+    assert code == 2
     assert err.strip().count("\n") == 0 and message in err
     assert not (tmp_path / "runs").exists()
 
