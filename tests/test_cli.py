@@ -1,5 +1,6 @@
 """The gep-fed command line, run as a user runs it."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,32 +18,6 @@ def gep_fed(*args, check=True):
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
-
-
-@pytest.mark.slow
-def test_simulate_with_defaults_writes_a_run_directory_and_report(tmp_path, capsys):
-    proc = gep_fed("simulate", "--rounds", "2", "--run-dir", str(tmp_path))
-    assert "test accuracy" in proc.stdout and "epsilon spent (each site)" in proc.stdout
-    assert "wall time" in proc.stdout
-    run_dir = Path(proc.stdout.split("run directory:")[1].split()[0])
-    assert run_dir.parent == tmp_path
-    for name in (
-        "config.json",
-        "metrics.jsonl",
-        "ledger.json",
-        "model.pt",
-        "report.md",
-        "accuracy.png",
-        "epsilon.png",
-        "projection_error.png",
-    ):
-        assert (run_dir / name).exists(), name
-    report = (run_dir / "report.md").read_text()
-    assert "mode **client**, mechanism **gep**" in report and "site `site-0`" in report
-    (run_dir / "report.md").unlink()
-    code, out, _ = gep_fed_in_process(capsys, "report", str(run_dir))
-    assert code == 0 and out.strip() == str(run_dir / "report.md")
-    assert (run_dir / "report.md").read_text() == report
 
 
 def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
@@ -220,13 +195,15 @@ def test_the_command_lines_help_imports_neither_dp_accounting_nor_opacus():
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_simulation_within_seconds_in_one_line_and_the_same_command_resumes(
-    tmp_path,
+def test_ctrl_c_stops_the_main_job_in_one_line_and_the_same_command_finishes_its_run_dir(
+    tmp_path, capsys
 ):
-    """Ctrl-C as a terminal sends it (SIGINT to the process group) once round 1 is recorded:
-    the run stops within seconds, exit status 130, one line and no traceback; the same
-    command then resumes after the committed round, says so on stdout, and finishes with
-    ledgers and checkpoint that hold every round once (each site's ledger what it answered)."""
+    """The README's main job (its defaults, 3 rounds). Ctrl-C as a terminal sends it (SIGINT
+    to the process group) once round 1 is recorded: the run stops within seconds, exit
+    status 130, one line and no traceback; the same command then resumes after the committed
+    round, says so on stdout, and finishes with the summary, a run directory and its report,
+    and ledgers and checkpoint that hold every round once (each site's ledger what it
+    answered). One run for both: each Flower simulation starts Ray."""
     import os
     import signal
     import time
@@ -236,8 +213,8 @@ def test_ctrl_c_stops_a_simulation_within_seconds_in_one_line_and_the_same_comma
     from gep_fed.accounting.ledger import PrivacyLedger
     from gep_fed.federation.rundir import RunDirectory, latest_attempts
 
-    args = [str(GEP_FED), "simulate", "--rounds", "3", "--local-steps", "1", "--num-sites", "2"]
-    args += ["--run-dir", str(tmp_path), "--run-name", "r"]
+    args = [str(GEP_FED), "simulate", "--rounds", "3", "--run-dir", str(tmp_path)]
+    args += ["--run-name", "r"]
     metrics = tmp_path / "r" / "metrics.jsonl"
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -266,11 +243,35 @@ def test_ctrl_c_stops_a_simulation_within_seconds_in_one_line_and_the_same_comma
     assert f"resuming run {run.path} after round {stopped_after} of 3" in again.stdout
     assert [r["round"] for r in latest_attempts(run.read_metrics())] == [1, 2, 3]
     assert torch.load(run.file("checkpoint.pt"), weights_only=True)["round"] == 3
-    assert PrivacyLedger.load(run.ledger_path).steps == 3  # the server's: one step per round
-    for site in ("site-0", "site-1"):
+    # the server's ledger: each round's local steps, once
+    local_steps = json.loads(run.file("config.json").read_text())["local-steps"]
+    assert PrivacyLedger.load(run.ledger_path).steps == 3 * local_steps
+    for site in ("site-0", "site-1", "site-2"):
         answered = (run.path / "sites" / site / "rounds.jsonl").read_text().splitlines()
         ledger = PrivacyLedger.load_keyed(run.path / "sites" / site / "ledger.json")
-        assert ledger.steps == len(answered) >= 3
+        assert ledger.steps == local_steps * len(answered) and len(answered) >= 3
+
+    # the finished run: its summary, its run directory and the report it re-renders
+    assert "test accuracy" in again.stdout and "epsilon spent (each site)" in again.stdout
+    assert "wall time" in again.stdout
+    assert Path(again.stdout.split("run directory:")[1].split()[0]) == run.path
+    for name in (
+        "config.json",
+        "metrics.jsonl",
+        "ledger.json",
+        "model.pt",
+        "report.md",
+        "accuracy.png",
+        "epsilon.png",
+        "projection_error.png",
+    ):
+        assert (run.path / name).exists(), name
+    report = (run.path / "report.md").read_text()
+    assert "mode **client**, mechanism **gep**" in report and "site `site-0`" in report
+    (run.path / "report.md").unlink()
+    code, out, _ = gep_fed_in_process(capsys, "report", str(run.path))
+    assert code == 0 and out.strip() == str(run.path / "report.md")
+    assert (run.path / "report.md").read_text() == report
 
 
 def test_the_help_shows_the_tasks_recommendation_as_the_default_where_a_task_sets_one(capsys):
