@@ -352,6 +352,45 @@ def test_matches_dp_accountings_repeat_and_select(sigma, q, steps):
             np.testing.assert_allclose(ours, theirs, rtol=1e-8)
 
 
+@pytest.mark.parametrize("dist", [TNB.from_mean(1, 3), TNB.from_mean(0, 10), PoissonTrials(5)])
+def test_a_selection_event_is_dp_accountings_repeat_and_select_in_a_ledger(tmp_path, dist):
+    """What a site's ledger records for a tuning of a random number of trials: one
+    ``PrivacyEvent`` with a ``Selection``, accounted by dp-accounting's RepeatAndSelectDpEvent
+    (never below this module's bound of the same theorems), without PLD, kept apart from
+    equal releases beside it, and written to and read from a keyed ledger unchanged."""
+    from dataclasses import replace
+
+    from dp_accounting import dp_event
+
+    from gep_fed.accounting.events import Selection, epsilon_pld, rdp_curve
+    from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key
+
+    shape = math.inf if isinstance(dist, PoissonTrials) else dist.eta
+    run = GEP.event(1.5, 0.05, 200)
+    chosen = replace(run, selection=Selection(dist.mean, shape))
+    accountant = rdp_lib.RdpAccountant(list(RDP_ORDERS))
+    accountant.compose(dp_event.RepeatAndSelectDpEvent(run.dp_event(), dist.mean, shape))
+    assert epsilon_rdp([chosen], 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    ours = rdp_lib.compute_epsilon(ORDERS, selection_rdp(trial_rdp([run]), ORDERS, dist), 1e-5)
+    assert epsilon_rdp([run], 1e-5) < ours[0] <= epsilon_rdp([chosen], 1e-5) + 1e-12
+    assert math.isnan(epsilon_pld([chosen], 1e-5)) and not math.isnan(epsilon_pld([run], 1e-5))
+    # never merged with an equal release beside it: RDP adds, the selection counted once
+    np.testing.assert_allclose(
+        rdp_curve([run, chosen, run]), rdp_curve([run, run]) + rdp_curve([chosen]), rtol=1e-12
+    )
+    assert PrivacyEvent.from_dict(chosen.to_dict()) == chosen
+    assert "selection" not in run.to_dict()  # every other record reads as before
+    key = create_ledger_key(tmp_path / "l.json.key")
+    ledger = PrivacyLedger.open(tmp_path / "l.json", 1e-5, 50.0, "site-0", key=key, create=True)
+    ledger.record(run, chosen)
+    again = PrivacyLedger.load_keyed(tmp_path / "l.json")
+    assert again.events == (run, chosen) and again.epsilon() == ledger.epsilon()
+    with pytest.raises(ValueError, match="mean number of runs must be >= 1"):
+        Selection(0.5, 1.0)
+    with pytest.raises(ValueError, match="shape must be >= 0"):
+        Selection(2.0, -0.5)
+
+
 # --- sanity figures --------------------------------------------------------------------------
 
 

@@ -335,3 +335,153 @@ def test_the_task_guides_first_run_tunes_the_hospital_example(tmp_path, monkeypa
     assert set(saved["sites"]) == {"hospital-a", "hospital-b", "hospital-c"}
     assert saved["total_epsilon"] == 8 and saved["procedure_epsilon"]["rdp"] <= 8
     assert all(site["steps"] == 3 * 2 for site in saved["sites"].values())
+
+
+# -- a random number of trials (Papernot & Steinke), central mode --------------------------
+
+
+def geometric(mean: float):
+    from gep_fed.accounting.selection import TruncatedNegativeBinomial
+
+    return TruncatedNegativeBinomial.from_mean(1.0, mean)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(mode="client"), "in client mode the server sees every trial's releases"),
+        (dict(mode="distributed"), "in distributed mode the server sees every trial"),
+        (dict(mode="central", trials=3), "either trials .* or random_trials, not both"),
+        (dict(mode="central", law="tnb-0.5"), "a TNB of eta >= 0"),
+        (dict(mode="central", law=3), "random_trials must be a TruncatedNegativeBinomial"),
+    ],
+)
+def test_a_random_number_of_trials_is_refused_where_its_bound_would_not_hold(settings, message):
+    from gep_fed.accounting.selection import TruncatedNegativeBinomial
+
+    law = settings.get("law", geometric(3.0))
+    if law == "tnb-0.5":
+        law = TruncatedNegativeBinomial(-0.5, 0.5)
+    with pytest.raises(ConfigError, match=message):
+        TuneConfig(
+            base(mode=settings["mode"]),
+            [{}, {"server-lr": 2.0}],
+            trials=settings.get("trials"),
+            random_trials=law,
+        )
+
+
+def independent_selection_epsilon(config: TuneConfig, epsilon: float) -> float:
+    """Papernot & Steinke over the candidates' own curves at per-trial budget ``epsilon``,
+    by ``gep_fed.accounting.selection`` (the formulas of ours, not dp-accounting's)."""
+    from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+    from gep_fed.accounting.events import RDP_ORDERS
+    from gep_fed.accounting.selection import random_search_rdp, selection_rdp
+
+    planner = _Planner(config)
+    curves = [planner.trial(i, epsilon)[1] for i in range(len(config.candidates))]
+    exact = selection_rdp(random_search_rdp(curves), RDP_ORDERS, config.random_trials)
+    return compute_epsilon(RDP_ORDERS, exact, config.total_delta)[0]
+
+
+def test_a_random_number_of_trials_is_one_selection_in_every_sites_ledger(tmp_path, monkeypatch):
+    """Central mode, K ~ geometric of mean 3 (seeded here; the OS draws it in real use):
+    the search runs the K trials drawn, each within its own per-trial budget; every site's
+    ledger holds the whole selection as one event (dp-accounting's RepeatAndSelectDpEvent),
+    equal to the independent Papernot & Steinke computation over the candidates' curves."""
+    import math
+
+    calls = []
+    monkeypatch.setattr(simulation, "simulate", canned_simulate({0.5: 0.6, 2.0: 0.8}, calls))
+    config = TuneConfig(
+        base(mode="central", sample_rate=0.2, rounds=4),
+        [{"server-lr": 0.5}, {"server-lr": 2.0, "mechanism": "gp"}],
+        random_trials=geometric(3.0),
+        target_epsilon=4.0,
+        out_dir=str(tmp_path / "tune"),
+    )
+    result = tune(config, rng=random.Random(11))
+    plan = config.plan(random.Random(11))
+    assert result.plan == tuple(i + 1 for i in plan) and len(plan) == len(calls) >= 1
+    for fed, sites in calls:  # each trial at the per-trial budget, in ledgers of its own
+        assert fed.target_epsilon == pytest.approx(result.per_trial_epsilon)
+        assert sites["epsilon-budget"] == result.per_trial_epsilon and "ledger-dir" not in sites
+    assert 4.0 - 1e-3 <= result.planned_epsilon_rdp <= 4.0
+    independent = independent_selection_epsilon(config, result.per_trial_epsilon)
+    for site in ("site-0", "site-1", "site-2"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        (event,) = ledger.events
+        assert event.selection == config.selection and event.party == site
+        assert ledger.epsilon() == pytest.approx(independent, abs=1e-6)
+        assert math.isnan(ledger.epsilon("pld"))  # dp-accounting has no PLD for a selection
+    # three trials composed would each get less than the selection's trials do
+    fixed = TuneConfig(config.base, config.candidates, trials=3, target_epsilon=4.0)
+    assert result.per_trial_epsilon > calibrate_trial_epsilon(fixed, fixed.plan())[0]
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert saved["selection"]["distribution"] == "truncated-negative-binomial"
+    assert saved["selection"]["shape"] == 1.0
+    assert "trusted server publishes" in saved["procedure_epsilon"]["covers"]
+    text = (tmp_path / "tune" / "tune.md").read_text()
+    assert f"**The trusted server's record, {OUTSIDE} if published.**" in text
+
+
+def test_candidates_of_different_lengths_are_bounded_by_their_worst_release_repeated():
+    """One repeated release bounds every candidate's trial (checked on each curve): above the
+    exact random-search figure when candidates differ in rounds, never below it."""
+    config = TuneConfig(
+        base(mode="central", sample_rate=0.2, rounds=4),
+        [{"server-lr": 0.5}, {"rounds": 3, "mechanism": "gp"}],
+        random_trials=geometric(3.0),
+        target_epsilon=4.0,
+    )
+    from gep_fed.flower.tuning import calibrate_selection_epsilon
+
+    epsilon, selected = calibrate_selection_epsilon(config)
+    assert 4.0 - 1e-3 <= selected <= 4.0
+    assert independent_selection_epsilon(config, epsilon) < selected - 0.1
+
+
+def test_a_site_whose_budget_cannot_hold_the_selection_refuses_it_before_any_trial(
+    tmp_path, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(simulation, "simulate", canned_simulate({0.5: 0.6}, calls))
+    config = TuneConfig(
+        base(mode="central", sample_rate=0.2),
+        [{"server-lr": 0.5}],
+        random_trials=geometric(2.0),
+        target_epsilon=4.0,
+        out_dir=str(tmp_path / "tune"),
+        site_settings={"epsilon-budget": 3.0},
+    )
+    result = tune(config, rng=random.Random(0))
+    assert calls == [] and result.trials == () and result.chosen is None
+    assert result.stopped.startswith("the selection was refused before any trial by site-0")
+    for site in ("site-0", "site-1", "site-2"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        assert ledger.events == () and ledger.budget_epsilon == 3.0
+
+
+def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
+    tmp_path, monkeypatch, capsys
+):
+    from gep_fed.cli.main import main
+
+    calls = []
+    monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
+    path = tmp_path / "candidates.toml"
+    path.write_text(
+        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nsample-rate = 0.2\n\n"
+        "[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nserver_lr = 3\n"
+    )
+    args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "4"]
+    args += ["--random-trials", "2", "--trials-law", "logarithmic"]
+    assert main([*args, "--mode", "central", "--out", str(tmp_path / "t")]) == 0
+    printed = capsys.readouterr().out
+    assert "a random number of trials (logarithmic, mean 2) of 2 candidate(s)" in printed
+    assert "each site's ledger: the selection, what the trusted server publishes" in printed
+    assert main([*args, "--mode", "client", "--out", str(tmp_path / "t2")]) == 2
+    assert "in client mode the server sees every trial" in capsys.readouterr().err
+    assert main([*args[:-4], "--random-trials", "0.5", "--out", str(tmp_path / "t3")]) == 2
+    assert "--random-trials must be a mean number of trials >= 1" in capsys.readouterr().err

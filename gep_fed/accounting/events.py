@@ -8,8 +8,10 @@ releases two clipped vectors per step and counts as noise multiplier ``sigma / s
 and GP as ``sigma``. A distributed step (a sum of discrete Gaussian shares over a secure sum)
 is ``accountant.DistributedDiscreteGaussianDpEvent``, which the project's ``RdpAccountant``
 composes and dp-accounting's own accountants refuse, as they refuse any event they do not
-know. Epsilon comes from RDP (Mironov et al. 2019) or, tighter, from privacy loss
-distributions (PLD); both are the library's, not formulas of ours.
+know. A private selection's release, the best of a random number of runs of ``steps``
+releases, is dp-accounting's ``RepeatAndSelectDpEvent`` around them (``Selection``; RDP only).
+Epsilon comes from RDP (Mironov et al. 2019) or, tighter, from privacy loss distributions
+(PLD); both are the library's, not formulas of ours.
 """
 
 from __future__ import annotations
@@ -105,6 +107,39 @@ class ImpossibleTargetError(ValueError):
 
 
 @dataclass(frozen=True)
+class Selection:
+    """A private selection (Papernot & Steinke, ICLR 2022): the event's ``steps`` releases
+    are one run, run K times independently with K random and secret, and only the best run's
+    output is released. K's law, as dp-accounting's ``RepeatAndSelectDpEvent`` names it:
+
+    Attributes:
+        mean: E[K], >= 1.
+        shape: ``inf`` for Poisson, otherwise a truncated negative binomial's eta >= 0
+            (1: geometric, 0: logarithmic).
+    """
+
+    mean: float
+    shape: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.mean, int | float) and math.isfinite(self.mean)):
+            raise ValueError(f"a selection's mean number of runs must be finite, got {self.mean!r}")
+        if self.mean < 1:
+            raise ValueError(f"a selection's mean number of runs must be >= 1, got {self.mean}")
+        if not (isinstance(self.shape, int | float) and self.shape >= 0):
+            raise ValueError(f"a selection's shape must be >= 0 (inf: Poisson), got {self.shape!r}")
+
+    def to_dict(self) -> dict:
+        return {"mean": self.mean, "shape": "inf" if math.isinf(self.shape) else self.shape}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Selection:
+        if not isinstance(data, dict) or set(data) != {"mean", "shape"}:
+            raise ValueError(f"a selection record holds its mean and shape, got {data!r}")
+        return cls(data["mean"], math.inf if data["shape"] == "inf" else data["shape"])
+
+
+@dataclass(frozen=True)
 class PrivacyEvent:
     """``steps`` releases of one dp-accounting event, and what the figure rests on.
 
@@ -134,6 +169,9 @@ class PrivacyEvent:
             least ``noise_shares`` sites other than the (at most) ``max_colluding_sites`` that
             may collude with the server (the recording site unmasks only then). It does not
             change the figure; it states what the figure rests on.
+        selection: the ``steps`` releases are one run of a private selection that releases
+            only the best of a random number of runs (``Selection``), accounted as a whole
+            by RDP (dp-accounting has no PLD for it); None for releases of their own.
 
     ``sample_rate``, ``accounting_noise_multiplier``, ``dimension``, ``discrete_l2_scale``,
     ``discrete_tau`` and ``noise_shares`` read the release. The ledger file keeps the flat
@@ -149,6 +187,7 @@ class PrivacyEvent:
     round: int | None = None
     placement: str = "local"
     max_colluding_sites: int = 0
+    selection: Selection | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adjacency", neighboring_relation(self.adjacency))
@@ -186,6 +225,11 @@ class PrivacyEvent:
                 )
             if not (isinstance(step.noise_shares, int) and step.noise_shares >= 1):
                 raise ValueError("a distributed event needs its noise_shares >= 1")
+        if self.selection is not None:
+            if not isinstance(self.selection, Selection):
+                raise ValueError(f"selection must be a Selection, got {self.selection!r}")
+            if self.is_distributed or self.adjacency is not self.adjacency.ADD_OR_REMOVE_ONE:
+                raise ValueError("a selection is of add-remove Gaussian releases only")
 
     @classmethod
     def gaussian(
@@ -273,8 +317,9 @@ class PrivacyEvent:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The dp-accounting event of all ``steps`` releases (``NonPrivateDpEvent`` without
-        noise). A distributed one is composed by ``accountant.RdpAccountant`` only."""
-        return _composed(self.release, self.steps)
+        noise), inside a ``RepeatAndSelectDpEvent`` for a selection. A distributed one is
+        composed by ``accountant.RdpAccountant`` only."""
+        return _composed(self.release, self.steps, self.selection)
 
     def to_dict(self) -> dict:
         """The ledger file's flat record (its format since the first ledger)."""
@@ -293,6 +338,8 @@ class PrivacyEvent:
             "dimension": self.dimension,
             "noise_shares": self.noise_shares,
             "max_colluding_sites": self.max_colluding_sites,
+            # only where set: every other record (and its ledger's HMAC) reads as before
+            **({} if self.selection is None else {"selection": self.selection.to_dict()}),
         }
 
     @classmethod
@@ -321,7 +368,12 @@ class PrivacyEvent:
             raise ValueError(
                 "discrete_l2_scale, discrete_tau, dimension, noise_shares: distributed events only"
             )
-        return replace(event, max_colluding_sites=record["max_colluding_sites"])
+        selection = record["selection"]
+        return replace(
+            event,
+            max_colluding_sites=record["max_colluding_sites"],
+            selection=None if selection is None else Selection.from_dict(selection),
+        )
 
 
 # The flat record's fields: those it always holds, the others with their defaults.
@@ -338,6 +390,7 @@ _RECORD_DEFAULTS = {
     "dimension": 0,
     "noise_shares": 0,
     "max_colluding_sites": 0,
+    "selection": None,
 }
 
 
@@ -346,11 +399,16 @@ def _sampled(sample_rate: float, step: dp_accounting.DpEvent) -> dp_accounting.D
     return step if sample_rate == 1 else _dp().PoissonSampledDpEvent(sample_rate, step)
 
 
-def _composed(release: dp_accounting.DpEvent, steps: int) -> dp_accounting.DpEvent:
+def _composed(
+    release: dp_accounting.DpEvent, steps: int, selection: Selection | None = None
+) -> dp_accounting.DpEvent:
     dp = _dp()
     if getattr(release, "event", release).noise_multiplier == 0:
         return dp.NonPrivateDpEvent()
-    return dp.SelfComposedDpEvent(release, steps)
+    run = dp.SelfComposedDpEvent(release, steps)
+    if selection is None:
+        return run
+    return dp.dp_event.RepeatAndSelectDpEvent(run, selection.mean, selection.shape)
 
 
 def _relation(events: Sequence[PrivacyEvent]) -> NeighboringRelation:
@@ -364,14 +422,15 @@ def _relation(events: Sequence[PrivacyEvent]) -> NeighboringRelation:
     return relations.pop() if relations else neighboring_relation(None)
 
 
-def _merged(events: Iterable[PrivacyEvent]) -> list[tuple[dp_accounting.DpEvent, int]]:
-    """(one step's release, steps), consecutive equal releases merged (faster PLD)."""
+def _merged(events: Iterable[PrivacyEvent]) -> list[tuple]:
+    """(one step's release, steps, selection), consecutive equal releases merged (faster
+    PLD); never a selection, whose steps are one run of its own."""
     merged: list[tuple] = []
     for e in events:
-        if merged and merged[-1][0] == e.release:
-            merged[-1] = (e.release, merged[-1][1] + e.steps)
+        if merged and merged[-1][0] == e.release and e.selection is None and merged[-1][2] is None:
+            merged[-1] = (e.release, merged[-1][1] + e.steps, None)
         else:
-            merged.append((e.release, e.steps))
+            merged.append((e.release, e.steps, e.selection))
     return merged
 
 
@@ -381,8 +440,7 @@ def compose(events: Iterable[PrivacyEvent]) -> dp_accounting.DpEvent:
     dp-accounting's own accountants do not support it."""
     events = list(events)
     _relation(events)
-    parts = [_composed(release, steps) for release, steps in _merged(events)]
-    return _dp().ComposedDpEvent(parts)
+    return _dp().ComposedDpEvent([_composed(*part) for part in _merged(events)])
 
 
 def rdp_accountant(adjacency: NeighboringRelation | str | None = None):
@@ -418,8 +476,8 @@ def epsilon_rdp(events: Sequence[PrivacyEvent], delta: float) -> float:
 def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
     """Epsilon at ``delta`` by privacy loss distributions (tighter than RDP); NaN when
     dp-accounting's PLD accountant does not support a release: a distributed one (it has no
-    PLD for a sum of discrete Gaussian shares over many coordinates: those are accounted by
-    RDP only).
+    PLD for a sum of discrete Gaussian shares over many coordinates) or a selection (no PLD
+    for the best of a random number of runs): those are accounted by RDP only.
 
     The accountant is add-or-remove-one's whatever the events' relation: a replace-one
     event's Gaussian is of sensitivity 1 between replace-one neighbours (as the RDP
@@ -435,8 +493,8 @@ def epsilon_pld(events: Sequence[PrivacyEvent], delta: float) -> float:
 # Pure in its arguments, and asked the same question often (every site's ledger after every
 # round holds the same composition; a tuning re-reads them): seconds each at many steps.
 @functools.lru_cache(maxsize=256)
-def _pld_epsilon(merged: tuple[tuple[dp_accounting.DpEvent, int], ...], delta: float) -> float:
-    event = _dp().ComposedDpEvent([_composed(release, steps) for release, steps in merged])
+def _pld_epsilon(merged: tuple[tuple, ...], delta: float) -> float:
+    event = _dp().ComposedDpEvent([_composed(*part) for part in merged])
     accountant = _dp().pld.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     if not accountant.supports(event):
         return math.nan
@@ -444,9 +502,10 @@ def _pld_epsilon(merged: tuple[tuple[dp_accounting.DpEvent, int], ...], delta: f
 
 
 def pld_text(epsilon: float, digits: int = 4) -> str:
-    """A PLD epsilon as reports print it ("n/a" for distributed releases, which have none)."""
+    """A PLD epsilon as reports print it ("n/a" for distributed releases and selections,
+    which have none)."""
     if math.isnan(epsilon):
-        return "n/a (PLD: none for distributed noise; RDP applies)"
+        return "n/a (PLD: none for distributed noise or a selection; RDP applies)"
     return f"{epsilon:.{digits}f} (PLD)"
 
 

@@ -255,6 +255,12 @@ def _ledger_show(args: argparse.Namespace) -> int:
             f"{ledger.epsilon_if_shares_exposed():.4f} (RDP) if more than {colluders} other "
             "site(s) colluded with the coordinator and its own noise shares were seen alone"
         )
+    for e in ledger.events:
+        if e.selection is not None:
+            print(
+                f"  {e.steps} of those: a private selection (the best of a random number of "
+                f"runs of {e.steps} step(s), mean {e.selection.mean:.3g}), accounted once"
+            )
     return 0
 
 

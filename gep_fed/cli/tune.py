@@ -11,6 +11,9 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.modes import MODE_NAMES
 from gep_fed.validation import ConfigError
 
+# --trials-law: a truncated negative binomial's shape eta, or Poisson
+TRIAL_LAWS = {"geometric": 1.0, "logarithmic": 0.0, "poisson": None}
+
 EXAMPLE = """\
 a candidates file (TOML): an optional [base] table of the settings every trial shares, and
 one [[candidate]] table per candidate, with the run config's keys (kebab- or snake-case):
@@ -39,7 +42,9 @@ def add_tune_parser(sub) -> None:
         description="Run T trials, each a federated simulation of one declared candidate, "
         "all sharing one total privacy budget (each trial gets the same calibrated share, "
         "and every site's ledger records every trial it took part in and refuses one beyond "
-        "its budget). The candidate whose run scores best on the server's own validation "
+        "its budget; with --random-trials, in central mode, a secret random number of trials "
+        "accounted as one selection). The candidate whose run scores best on the server's "
+        "own validation "
         "data is chosen; its model and test figures are reported, never used to choose. "
         "Writes tune.json and tune.md. Exit status 1 when no trial finished.",
         epilog=EXAMPLE,
@@ -61,6 +66,23 @@ def add_tune_parser(sub) -> None:
         help="T, the number of trials: each costs a share of the budget (default: every "
         "candidate once, in the file's order; otherwise each trial's candidate is drawn "
         "uniformly by the OS's random number generator)",
+    )
+    p.add_argument(
+        "--random-trials",
+        type=float,
+        metavar="MEAN",
+        help="instead of --trials, a secret random number of trials of this mean (>= 1, "
+        "drawn by the OS), of which only the best is published: accounted as one selection "
+        "(Papernot & Steinke), tighter than composing the trials. Central mode only (the "
+        "server sees every trial, so it must be one the sites trust)",
+    )
+    p.add_argument(
+        "--trials-law",
+        choices=TRIAL_LAWS,
+        default="geometric",
+        help="the law of --random-trials: geometric or logarithmic (truncated negative "
+        "binomials of shape 1 and 0; logarithmic costs less privacy, with a heavier tail), "
+        "or poisson (for very private trials)",
     )
     p.add_argument(
         "--epsilon",
@@ -118,6 +140,20 @@ def _number(value: float | None) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.4f}"
 
 
+def random_trials(args: argparse.Namespace):
+    """``--random-trials MEAN`` under ``--trials-law`` (None without it)."""
+    from gep_fed.accounting.selection import PoissonTrials, TruncatedNegativeBinomial
+
+    if args.random_trials is None:
+        return None
+    mean = args.random_trials
+    if not (math.isfinite(mean) and mean >= 1):
+        raise ConfigError(f"--random-trials must be a mean number of trials >= 1, got {mean:g}")
+    if args.trials_law == "poisson":
+        return PoissonTrials(mean)
+    return TruncatedNegativeBinomial.from_mean(TRIAL_LAWS[args.trials_law], mean)
+
+
 def run_tune(args: argparse.Namespace) -> int:
     from gep_fed.flower.tuning import OUTSIDE, TUNE_MD, TuneConfig, candidates_from_toml, tune
 
@@ -126,6 +162,7 @@ def run_tune(args: argparse.Namespace) -> int:
         base_config(args, table),
         candidates,
         trials=args.trials,
+        random_trials=random_trials(args),
         target_epsilon=args.epsilon,
         delta=args.delta,
         reference=args.reference,
@@ -153,10 +190,15 @@ def run_tune(args: argparse.Namespace) -> int:
         )
         print(f"its test metrics (never used to choose): {test}")
         print(f"model: {result.model_path}")
+    covers = (
+        "the selection, what the trusted server publishes"
+        if result.selection
+        else "every trial it took part in, the guarantee against the server"
+    )
     print(
-        "epsilon of the whole tuning (each site's ledger: every trial it took part in, the "
-        f"guarantee against the server): {_number(result.epsilon_rdp)} (RDP), "
-        f"{_number(result.epsilon_pld)} (PLD), delta {result.delta:g}"
+        f"epsilon of the whole tuning (each site's ledger: {covers}): "
+        f"{_number(result.epsilon_rdp)} (RDP), {_number(result.epsilon_pld)} (PLD), "
+        f"delta {result.delta:g}"
     )
     reference = (result.reference or {}).get("chosen")
     if reference is not None:

@@ -21,7 +21,19 @@ selection score is computed by the server on its own validation data, which hold
 data: the score, the choice and the chosen model are post-processing of the releases, at no
 further cost. Papernot & Steinke's tighter bound for a random number of trials
 (``gep_fed.accounting.selection``) covers only what is published after the selection and
-assumes the server follows the procedure; this version claims no such figure.
+assumes the server follows the procedure: it applies where the server is trusted.
+
+A random number of trials (``random_trials``, central mode only). The trusted server draws K
+from a declared law (truncated negative binomial or Poisson) by the OS CSPRNG, runs K trials
+of candidates drawn uniformly, and publishes only the best trial's candidate, score and model.
+Papernot & Steinke's bound (dp-accounting's ``RepeatAndSelectDpEvent``) then covers that
+publication as one event, whatever K turns out to be: each trial is bounded by one release
+repeated (the largest q, the smallest noise and the most steps of any candidate, checked to
+lie above every candidate's RDP curve), and every site's ledger records the selection once,
+before the first trial, refusing it where it exceeds the site's budget. Each trial then runs
+with ledgers of its own, which the sites check every round at the per-trial budget. The list
+of trials, their scores and K itself are the trusted server's record: publishing them is
+outside the guarantee (``tune.md`` says so where it lists them).
 
 A non-private reference (``reference=True``) runs every candidate once at the whole budget,
 each with fresh ledgers of its own, and picks the best on validation: what a non-private
@@ -39,9 +51,30 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from gep_fed.accounting.events import ImpossibleTargetError, PrivacyEvent, epsilon_rdp
-from gep_fed.accounting.ledger import PrivacyLedger
+import numpy as np
+
+from gep_fed.accounting.events import (
+    ImpossibleTargetError,
+    PrivacyEvent,
+    Selection,
+    epsilon_rdp,
+    rdp_curve,
+)
+from gep_fed.accounting.ledger import (
+    BudgetExceededError,
+    PrivacyLedger,
+    create_ledger_key,
+    default_key_path,
+    read_ledger_key,
+)
+from gep_fed.accounting.selection import (
+    PoissonTrials,
+    TrialDistribution,
+    TruncatedNegativeBinomial,
+    default_rng,
+)
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.policy import simulated_site_name
 from gep_fed.federation.rundir import (
     BEST_MODEL,
     MODEL,
@@ -103,6 +136,11 @@ class TuneConfig:
         trials: T, the number of trials (None: one per candidate, in the declared order;
             otherwise each trial's candidate is drawn uniformly by the OS CSPRNG). Each
             trial costs privacy: the total budget is shared by all T.
+        random_trials: instead of T, the law of a random number of trials K
+            (``TruncatedNegativeBinomial`` of eta >= 0, or ``PoissonTrials``), drawn by the
+            OS CSPRNG and kept secret; only the best trial is published, accounted by
+            Papernot & Steinke's bound. Central mode only: elsewhere the server sees every
+            trial's releases, and only their composition holds against it.
         target_epsilon: the total epsilon of the whole procedure: every site's ledger
             records all the trials it took part in, and no site spends more than this over
             the tuning (None: ``base.target_epsilon``).
@@ -121,6 +159,7 @@ class TuneConfig:
     base: FederationConfig
     candidates: Sequence[Mapping[str, object]]
     trials: int | None = None
+    random_trials: TrialDistribution | None = None
     target_epsilon: float | None = None
     delta: float | None = None
     reference: bool = False
@@ -140,6 +179,8 @@ class TuneConfig:
             isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1
         ):
             raise ConfigError(f"trials must be an integer >= 1, got {self.trials!r}")
+        if self.random_trials is not None:
+            self._check_random_trials()
         POSITIVE.check("target_epsilon", self.total_epsilon)
         if not math.isfinite(self.total_epsilon):
             raise ConfigError(f"target_epsilon must be finite, got {self.total_epsilon}")
@@ -162,6 +203,43 @@ class TuneConfig:
                 )
         for index in range(len(self.candidates)):
             self.candidate_config(index)  # every bad value named now, before anything runs
+
+    def _check_random_trials(self) -> None:
+        law = self.random_trials
+        if not isinstance(law, TruncatedNegativeBinomial | PoissonTrials):
+            raise ConfigError(
+                f"random_trials must be a TruncatedNegativeBinomial or PoissonTrials, got {law!r}"
+            )
+        if self.trials is not None:
+            raise ConfigError("give either trials (a fixed T) or random_trials, not both")
+        if isinstance(law, TruncatedNegativeBinomial) and law.eta < 0:
+            raise ConfigError(
+                f"a random number of trials needs a TNB of eta >= 0 (dp-accounting's "
+                f"accounting), got eta={law.eta}"
+            )
+        mode = self.base.noise_mode
+        if mode.site_placement != "trusted-server":
+            raise ConfigError(
+                f"a random number of trials bounds only what is published after the "
+                f"selection, but in {mode.name} mode the server sees every trial's releases, "
+                "so only their composition holds against it: give a fixed number of trials, "
+                "or tune in central mode (a server the sites trust)"
+            )
+
+    @property
+    def selection(self) -> Selection | None:
+        """The random number of trials as the sites' ledgers record it (None: a fixed T)."""
+        law = self.random_trials
+        if law is None:
+            return None
+        shape = math.inf if isinstance(law, PoissonTrials) else float(law.eta)
+        return Selection(float(law.mean), shape)
+
+    def selection_record(self) -> dict[str, object] | None:
+        """The random number of trials' law as ``tune.json`` records it (None: a fixed T)."""
+        if self.random_trials is None:
+            return None
+        return {**self.random_trials.to_dict(), **self.selection.to_dict()}
 
     @staticmethod
     def _normalised(index: int, candidate: object) -> dict[str, object]:
@@ -221,11 +299,14 @@ class TuneConfig:
     def plan(self, rng: random.Random | None = None) -> tuple[int, ...]:
         """The trials' candidates (0-based), fixed before any training: every candidate once
         in the declared order when ``trials`` equals their number, else each drawn uniformly
-        by ``rng`` (None: the OS CSPRNG; tests pass a seeded ``random.Random``)."""
+        by ``rng`` (None: the OS CSPRNG; tests pass a seeded ``random.Random``); with
+        ``random_trials``, K is drawn first, by the same generator."""
         n = len(self.candidates)
+        rng = rng if rng is not None else default_rng()
+        if self.random_trials is not None:
+            return tuple(rng.randrange(n) for _ in range(self.random_trials.sample(rng)))
         if self.num_trials == n:
             return tuple(range(n))
-        rng = rng if rng is not None else random.SystemRandom()
         return tuple(rng.randrange(n) for _ in range(self.num_trials))
 
 
@@ -267,6 +348,8 @@ class TuneResult:
         stopped: why the search stopped early (a site refused a trial), or None.
         reference: the non-private reference (``reference=True``), labelled OUTSIDE THE
             GUARANTEE, or None.
+        selection: the random number of trials' law (``TuneConfig.random_trials``) as
+            ``{"distribution", "mean", "shape", ...}``; None for a fixed T.
     """
 
     out_dir: Path
@@ -282,11 +365,13 @@ class TuneResult:
     site_epsilons: Mapping[str, Mapping[str, float]]
     stopped: str | None
     reference: Mapping[str, object] | None = None
+    selection: Mapping[str, object] | None = None
 
     @property
     def epsilon_rdp(self) -> float:
-        """The epsilon of the whole procedure against the server: the largest of the sites'
-        ledgers (RDP); the planned composition where no ledger was found."""
+        """The epsilon of the whole procedure: the largest of the sites' ledgers (RDP); the
+        planned figure where no ledger was found. A fixed T: against the server, every trial
+        composed. A random K: what the trusted server publishes (the selection)."""
         values = [s["epsilon_rdp"] for s in self.site_epsilons.values()]
         return max(values) if values else self.planned_epsilon_rdp
 
@@ -309,6 +394,7 @@ class _Planner:
         self.config = config
         self._events: dict[tuple[int, float], tuple[float, list[PrivacyEvent]]] = {}
         self._dimension: dict[int, int] = {}
+        self._selection: dict[float, PrivacyEvent] = {}
 
     def dimension(self, index: int, fed: FederationConfig) -> int:
         """A distributed share's length (the configured k: an upper bound of the basis's,
@@ -342,6 +428,39 @@ class _Planner:
         events = [e for index in plan for e in self.trial(index, epsilon)[1]]
         return epsilon_rdp(events, self.config.total_delta)
 
+    def selection_event(self, epsilon: float) -> PrivacyEvent:
+        """The whole random-K selection at per-trial budget ``epsilon``, as one event: a
+        trial of any candidate is bounded by one release repeated (the largest q, the
+        smallest noise multiplier, the most steps of any candidate's releases; RDP grows with
+        each), checked to lie on or above every candidate's RDP curve, inside the tuning's
+        ``Selection``. A trial draws its candidate independently of the data, so its curve is
+        at most the largest candidate's (``selection.random_search_rdp``)."""
+        if epsilon not in self._selection:
+            trials = [self.trial(i, epsilon)[1] for i in range(len(self.config.candidates))]
+            releases = [e for events in trials for e in events]
+            worst = min(releases, key=lambda e: e.accounting_noise_multiplier)
+            bound = PrivacyEvent.gaussian(
+                worst.mechanism,
+                worst.noise_multiplier,
+                max(e.sample_rate for e in releases),
+                max(sum(e.steps for e in events) for events in trials),
+                worst.accounting_noise_multiplier,
+                placement=worst.placement,
+            )
+            ceiling = rdp_curve([bound])
+            for index, events in enumerate(trials, 1):
+                if np.any(rdp_curve(events) > ceiling * (1 + 1e-9) + 1e-12):
+                    raise ConfigError(
+                        f"candidate {index}'s releases are not bounded by the repeated release "
+                        "of the largest q, the smallest noise and the most steps: give a "
+                        "fixed number of trials instead"
+                    )
+            self._selection[epsilon] = replace(bound, selection=self.config.selection)
+        return self._selection[epsilon]
+
+    def selected(self, epsilon: float) -> float:
+        return epsilon_rdp([self.selection_event(epsilon)], self.config.total_delta)
+
 
 def calibrate_trial_epsilon(
     config: TuneConfig, plan: Sequence[int], tol: float = CALIBRATION_TOLERANCE
@@ -357,31 +476,67 @@ def calibrate_trial_epsilon(
     """
     if not plan:
         raise ConfigError("a tuning plans at least one trial")
+    return _calibrate_plan(_Planner(config), plan, tol)
+
+
+def calibrate_selection_epsilon(
+    config: TuneConfig, tol: float = CALIBRATION_TOLERANCE
+) -> tuple[float, float]:
+    """A random-K tuning's per-trial budget e and its selection's RDP epsilon:
+    ``total - tol <= selection <= total`` (``_Planner.selection_event``).
+
+    Raises:
+        ImpossibleTargetError: the selection's floor (``log E[K]`` and ``log(1/gamma)``
+            terms, which no noise removes) or the candidates' releases exceed the total at
+            every budget tried: raise the total or ask for fewer trials on average.
+    """
     planner = _Planner(config)
-    return _calibrate(planner, plan, config.total_epsilon, tol)
+    law = config.random_trials
+    what = f"a random number of trials (mean {law.mean:.3g})"
+    return _calibrate(planner.selected, config, config.total_epsilon / 2, tol, what, "on average")
+
+
+def _calibrate_plan(planner: _Planner, plan: Sequence[int], tol: float) -> tuple[float, float]:
+    total = planner.config.total_epsilon
+    if len(plan) == 1:  # one trial: the whole budget (its sigma is calibrated to it)
+        return total, planner.composed(plan, total)
+    return _calibrate(
+        lambda e: planner.composed(plan, e),
+        planner.config,
+        total / len(plan),
+        tol,
+        f"{len(plan)} trials",
+        "",
+    )
 
 
 def _calibrate(
-    planner: _Planner, plan: Sequence[int], total: float, tol: float
+    spent: Callable[[float], float],
+    config: TuneConfig,
+    start: float,
+    tol: float,
+    what: str,
+    fewer: str,
 ) -> tuple[float, float]:
+    """The largest per-trial budget e (to ``tol``) whose ``spent(e)`` is within the total,
+    from ``start`` down by fours until one is, then up by regula falsi."""
+    total = config.total_epsilon
+
     def composed(e: float) -> float:
         try:
-            return planner.composed(plan, e)
+            return spent(e)
         except ImpossibleTargetError:
             return math.inf
 
-    if len(plan) == 1:  # one trial: the whole budget (its sigma is calibrated to it)
-        return total, planner.composed(plan, total)
-    lo = total / len(plan)
+    lo = start
     f_lo = composed(lo)
     while f_lo > total:
         lo /= 4
         if lo < 1e-6 * total:
             raise ImpossibleTargetError(
-                f"{len(plan)} trials cannot share epsilon={total:g} at "
-                f"delta={planner.config.total_delta:g}: even a per-trial budget of "
-                f"{lo * 4:.3g} composes to more (or cannot be calibrated). Raise the total "
-                "or run fewer trials"
+                f"{what} cannot share epsilon={total:g} at delta={config.total_delta:g}: "
+                f"even a per-trial budget of {lo * 4:.3g} composes to more (or cannot be "
+                f"calibrated). Raise the total or run fewer trials{' ' + fewer if fewer else ''}"
             )
         f_lo = composed(lo)
     # Regula falsi on f(e) - total with the Illinois rule (a stale end's weight halves);
@@ -408,7 +563,7 @@ def _calibrate(
             if side == 1:
                 w_lo /= 2
             side = 1
-    return lo, planner.composed(plan, lo)
+    return lo, spent(lo)
 
 
 # -- the search ----------------------------------------------------------------------------
@@ -530,12 +685,14 @@ def tune(
 ) -> TuneResult:
     """Run the tuning: plan the trials, calibrate their common budget, run each as a
     federated simulation (``gep_fed.flower.simulation.simulate``) whose sites keep one ledger
-    each across all trials, and choose the best on the server's validation data.
+    each across all trials (a random K: the selection recorded once in each site's ledger,
+    and each trial's own ledgers), and choose the best on the server's validation data.
 
     Args:
         config: the candidates, the number of trials and the total budget (``TuneConfig``).
-        rng: draws the trials' candidates when they are drawn (None: the OS CSPRNG; a
-            seeded one is for tests). It decides which candidates run, never any noise.
+        rng: draws the number of trials and the trials' candidates when they are drawn
+            (None: the OS CSPRNG; a seeded one is for tests). It decides which candidates
+            run, never any noise.
         log: called with one line per trial and per decision (None: silent).
         simulate_options: passed to ``simulate`` (e.g. ``progress``, ``engine``).
 
@@ -545,7 +702,8 @@ def tune(
     Raises:
         ConfigError: the task has no validation data, a candidate is bad, or ``out_dir``
             holds an earlier tuning.
-        ImpossibleTargetError: the planned trials cannot share the total budget.
+        ImpossibleTargetError: the planned trials (or the selection) cannot share the total
+            budget.
     """
     say = log or (lambda line: None)
     options = dict(simulate_options or {})
@@ -559,20 +717,47 @@ def tune(
     sites_dir, trials_dir = out / "sites", out / "trials"
     plan = config.plan(rng)
     planner = _Planner(config)
-    epsilon, planned = _calibrate(planner, plan, config.total_epsilon, CALIBRATION_TOLERANCE)
-    say(
-        f"tune: {len(plan)} trial(s) of {len(config.candidates)} candidate(s), each at "
-        f"epsilon {epsilon:.4f}; together {planned:.4f} <= {config.total_epsilon:g} "
-        f"(RDP, delta={config.total_delta:g}) at every site"
-    )
-    site_settings = {
-        "epsilon-budget": config.total_epsilon,
-        "delta": config.total_delta,
-        **config.site_settings,
-        "ledger-dir": str(sites_dir),
-    }
+    selection = None
     trials: list[Trial] = []
     stopped = None
+    if config.random_trials is None:
+        epsilon, planned = _calibrate_plan(planner, plan, CALIBRATION_TOLERANCE)
+        say(
+            f"tune: {len(plan)} trial(s) of {len(config.candidates)} candidate(s), each at "
+            f"epsilon {epsilon:.4f}; together {planned:.4f} <= {config.total_epsilon:g} "
+            f"(RDP, delta={config.total_delta:g}) at every site"
+        )
+        site_settings = {
+            "epsilon-budget": config.total_epsilon,
+            "delta": config.total_delta,
+            **config.site_settings,
+            "ledger-dir": str(sites_dir),
+        }
+    else:
+        epsilon, planned = calibrate_selection_epsilon(config)
+        selection = config.selection_record()
+        say(
+            f"tune: a random number of trials ({_law_text(selection)}) of "
+            f"{len(config.candidates)} candidate(s), each at epsilon {epsilon:.4f}; the "
+            f"selection {planned:.4f} <= {config.total_epsilon:g} (RDP, Papernot & Steinke, "
+            f"delta={config.total_delta:g}) at every site. The trials and their number are "
+            "the trusted server's record: publishing them is outside the guarantee"
+        )
+        refused = _record_selection(config, planner.selection_event(epsilon), sites_dir, options)
+        if refused:
+            who = "; ".join(f"{s} ({why})" for s, why in refused.items())
+            stopped = f"the selection was refused before any trial by {who}"
+            say(f"tune: REFUSED: {stopped}")
+            plan = ()
+        elif not plan:  # Poisson's K = 0: the selection publishes nothing, by design
+            stopped = "no trial was drawn (K = 0): the selection publishes nothing"
+        say(f"tune: {len(plan)} trial(s) drawn")
+        # each trial within its own budget, in ledgers of its own (the trial's run directory)
+        site_settings = {
+            "delta": config.total_delta,
+            **config.site_settings,
+            "epsilon-budget": epsilon,
+        }
     result = None
     for n, index in enumerate(plan, 1):
         sigma = planner.trial(index, epsilon)[0]
@@ -582,9 +767,10 @@ def tune(
             run_name=f"trial-{n:03d}",
         )
         settings = config.candidates[index]
-        before = _site_rows(sites_dir)
+        ledgers = sites_dir if selection is None else Path(fed.run_directory("")) / "sites"
+        before = _site_rows(ledgers)
         sim = _run_trial(fed, site_settings, options)
-        rows = _rows_since(sites_dir, before)
+        rows = _rows_since(ledgers, before)
         over = {
             s: [r["round"] for r in rs if r["outcome"] == "over budget"] for s, rs in rows.items()
         }
@@ -628,7 +814,7 @@ def tune(
             say(f"{head}: FAILED: {problem}")
         else:
             say(f"{head}: validation score {score:.4f} (round {best_round})")
-        result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, None)
+        result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir)
         _write(result)
         if stopped:
             break
@@ -638,7 +824,39 @@ def tune(
     return result
 
 
-def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference):
+def _law_text(selection: Mapping[str, object]) -> str:
+    if selection["distribution"] == "poisson":
+        return f"Poisson, mean {selection['mean']:.3g}"
+    names = {0.0: "logarithmic", 1.0: "geometric"}
+    eta = float(selection["eta"])
+    law = names.get(eta, f"truncated negative binomial, eta {eta:g}")
+    return f"{law}, mean {selection['mean']:.3g}"
+
+
+def _record_selection(
+    config: TuneConfig, event: PrivacyEvent, sites_dir: Path, options: Mapping[str, object]
+) -> dict[str, str]:
+    """Record the whole selection in every simulated site's ledger (keyed, as a site keeps
+    it), before any trial: {site: why} for each site whose budget refuses it."""
+    site_data = options.get("site_data") or None
+    count = len(site_data) if site_data else config.base.num_sites
+    budget = config.site_settings.get("epsilon-budget", config.total_epsilon)
+    delta = config.site_settings.get("delta", config.total_delta)
+    refused = {}
+    for i in range(count):
+        name = simulated_site_name({"site-data": site_data, "partition-id": i})
+        path = sites_dir / name / "ledger.json"
+        key_file = default_key_path(path)
+        key = read_ledger_key(key_file) if key_file.exists() else create_ledger_key(key_file)
+        ledger = PrivacyLedger.open(path, delta, budget, name, key=key, create=True)
+        try:
+            ledger.record(replace(event, party=name))
+        except BudgetExceededError as err:
+            refused[name] = f"over budget: {err}"
+    return refused
+
+
+def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference=None):
     finished = [t for t in trials if t.status == "finished"]
     chosen = max(finished, key=lambda t: t.validation_score, default=None)  # first of ties
     model, test = None, {}
@@ -662,6 +880,7 @@ def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, ref
         _site_epsilons(sites_dir) if sites_dir.exists() else {},
         stopped,
         reference,
+        config.selection_record(),
     )
 
 
@@ -742,13 +961,23 @@ def result_dict(result: TuneResult) -> dict:
             "rdp": result.epsilon_rdp,
             "pld": None if math.isnan(result.epsilon_pld) else result.epsilon_pld,
             "delta": result.delta,
-            "covers": "each site's ledger: the composition of every trial it took part in "
+            "covers": _COVERS_SELECTION
+            if result.selection
+            else "each site's ledger: the composition of every trial it took part in "
             "(the guarantee against the server, which saw every trial's releases)",
         },
+        "selection": None if result.selection is None else dict(result.selection),
         "sites": {k: dict(v) for k, v in result.site_epsilons.items()},
         "stopped": result.stopped,
         "reference": None if result.reference is None else dict(result.reference),
     }
+
+
+_COVERS_SELECTION = (
+    "what the trusted server publishes: the chosen candidate, its validation score and its "
+    "model (Papernot & Steinke's bound for a random number of trials). The trials and their "
+    f"number are the server's record, {OUTSIDE} if published"
+)
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -766,14 +995,29 @@ def _metrics_text(metrics: Mapping[str, float]) -> str:
 def render_markdown(result: TuneResult) -> str:
     """``tune.md``: every trial, the chosen one, the epsilon of the whole procedure, and the
     non-private reference labelled outside the guarantee."""
-    lines = [
-        "# Private selection (gep-fed tune)",
-        "",
-        f"{len(result.plan)} trial(s) planned (candidates {', '.join(map(str, result.plan))}), "
-        f"each at epsilon {result.per_trial_epsilon:.4f}; their RDP composition "
-        f"{result.planned_epsilon_rdp:.4f} <= the total {result.total_epsilon:g} "
-        f"(delta {result.delta:g}).",
-        "",
+    lines = ["# Private selection (gep-fed tune)", ""]
+    if result.selection is None:
+        lines += [
+            f"{len(result.plan)} trial(s) planned (candidates "
+            f"{', '.join(map(str, result.plan))}), each at epsilon "
+            f"{result.per_trial_epsilon:.4f}; their RDP composition "
+            f"{result.planned_epsilon_rdp:.4f} <= the total {result.total_epsilon:g} "
+            f"(delta {result.delta:g}).",
+            "",
+        ]
+    else:
+        lines += [
+            f"A random number of trials ({_law_text(result.selection)}), each at epsilon "
+            f"{result.per_trial_epsilon:.4f}; the selection's RDP epsilon "
+            f"{result.planned_epsilon_rdp:.4f} <= the total {result.total_epsilon:g} "
+            f"(delta {result.delta:g}).",
+            "",
+            f"**The trusted server's record, {OUTSIDE} if published.** The bound covers the "
+            "chosen candidate, its score and its model only: this list, its scores and even "
+            f"its length ({len(result.plan)} trial(s) drawn) are not covered.",
+            "",
+        ]
+    lines += [
         "| trial | candidate | settings | sigma | status | validation score | best round |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -804,17 +1048,26 @@ def render_markdown(result: TuneResult) -> str:
             f"Its test metrics (the server's test split, never used to choose): {test}.",
             "",
         ]
-    lines += [
-        "## Epsilon of the whole procedure",
-        "",
-        f"Against the server, which saw every trial's releases, each site's guarantee is the "
-        f"composition of every trial it took part in, as its ledger records it: epsilon "
-        f"{_fmt(result.epsilon_rdp)} (RDP), {_fmt(result.epsilon_pld)} (PLD), delta "
-        f"{result.delta:g}. The choice, its score and its model are post-processing (the "
-        "score is the server's own validation data): they cost nothing more. No tighter "
-        "published-result figure (Papernot & Steinke) is claimed in this version.",
-        "",
-    ]
+    lines += ["## Epsilon of the whole procedure", ""]
+    if result.selection is None:
+        lines += [
+            f"Against the server, which saw every trial's releases, each site's guarantee is "
+            f"the composition of every trial it took part in, as its ledger records it: "
+            f"epsilon {_fmt(result.epsilon_rdp)} (RDP), {_fmt(result.epsilon_pld)} (PLD), "
+            f"delta {result.delta:g}. The choice, its score and its model are post-processing "
+            "(the score is the server's own validation data): they cost nothing more. The "
+            "tighter bound for a random number of trials (Papernot & Steinke) needs a server "
+            "the sites trust (central mode).",
+            "",
+        ]
+    else:
+        lines += [
+            f"Each site's ledger records the selection once, before the first trial: epsilon "
+            f"{_fmt(result.epsilon_rdp)} (RDP; PLD has none for a selection), delta "
+            f"{result.delta:g}, covering {_COVERS_SELECTION}. Each trial's own ledgers (in its run "
+            "directory) hold what that trial alone spent.",
+            "",
+        ]
     if result.site_epsilons:
         lines += [
             "| site | steps | epsilon (RDP) | epsilon (PLD) | budget |",
