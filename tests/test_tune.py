@@ -386,18 +386,20 @@ def independent_selection_epsilon(config: TuneConfig, epsilon: float) -> float:
 
 
 def test_a_random_number_of_trials_is_one_selection_in_every_sites_ledger(tmp_path, monkeypatch):
-    """Central mode, K ~ geometric of mean 3 (seeded here; the OS draws it in real use):
+    """Central mode, K ~ logarithmic of mean 3 (seeded here; the OS draws it in real use):
     the search runs the K trials drawn, each within its own per-trial budget; every site's
     ledger holds the whole selection as one event (dp-accounting's RepeatAndSelectDpEvent),
     equal to the independent Papernot & Steinke computation over the candidates' curves."""
     import math
 
+    from gep_fed.accounting.selection import TruncatedNegativeBinomial
+
     calls = []
     monkeypatch.setattr(simulation, "simulate", canned_simulate({0.5: 0.6, 2.0: 0.8}, calls))
     config = TuneConfig(
-        base(mode="central", sample_rate=0.2, rounds=4),
+        base(mode="central", rounds=4),
         [{"server-lr": 0.5}, {"server-lr": 2.0, "mechanism": "gp"}],
-        random_trials=geometric(3.0),
+        random_trials=TruncatedNegativeBinomial.from_mean(0.0, 3.0),
         target_epsilon=4.0,
         out_dir=str(tmp_path / "tune"),
     )
@@ -415,12 +417,12 @@ def test_a_random_number_of_trials_is_one_selection_in_every_sites_ledger(tmp_pa
         assert event.selection == config.selection and event.party == site
         assert ledger.epsilon() == pytest.approx(independent, abs=1e-6)
         assert math.isnan(ledger.epsilon("pld"))  # dp-accounting has no PLD for a selection
-    # three trials composed would each get less than the selection's trials do
+    # three trials composed would each get less (2.16 against 2.81)
     fixed = TuneConfig(config.base, config.candidates, trials=3, target_epsilon=4.0)
-    assert result.per_trial_epsilon > calibrate_trial_epsilon(fixed, fixed.plan())[0]
+    assert result.per_trial_epsilon > calibrate_trial_epsilon(fixed, fixed.plan())[0] + 0.1
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert saved["selection"]["distribution"] == "truncated-negative-binomial"
-    assert saved["selection"]["shape"] == 1.0
+    assert saved["selection"]["shape"] == 0.0
     assert "trusted server publishes" in saved["procedure_epsilon"]["covers"]
     text = (tmp_path / "tune" / "tune.md").read_text()
     assert f"**The trusted server's record, {OUTSIDE} if published.**" in text
@@ -430,7 +432,7 @@ def test_candidates_of_different_lengths_are_bounded_by_their_worst_release_repe
     """One repeated release bounds every candidate's trial (checked on each curve): above the
     exact random-search figure when candidates differ in rounds, never below it."""
     config = TuneConfig(
-        base(mode="central", sample_rate=0.2, rounds=4),
+        base(mode="central", rounds=4),
         [{"server-lr": 0.5}, {"rounds": 3, "mechanism": "gp"}],
         random_trials=geometric(3.0),
         target_epsilon=4.0,
@@ -448,7 +450,7 @@ def test_a_site_whose_budget_cannot_hold_the_selection_refuses_it_before_any_tri
     calls = []
     monkeypatch.setattr(simulation, "simulate", canned_simulate({0.5: 0.6}, calls))
     config = TuneConfig(
-        base(mode="central", sample_rate=0.2),
+        base(mode="central"),
         [{"server-lr": 0.5}],
         random_trials=geometric(2.0),
         target_epsilon=4.0,
@@ -472,7 +474,7 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
     monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
     path = tmp_path / "candidates.toml"
     path.write_text(
-        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nsample-rate = 0.2\n\n"
+        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nsample-rate = 1.0\n\n"
         "[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nserver_lr = 3\n"
     )
     args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "4"]
