@@ -487,3 +487,85 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
     assert "in client mode the server sees every trial" in capsys.readouterr().err
     assert main([*args[:-4], "--random-trials", "0.5", "--out", str(tmp_path / "t3")]) == 2
     assert "--random-trials must be a mean number of trials >= 1" in capsys.readouterr().err
+
+
+def interrupting(fake, at_call: int, calls: list):
+    """``fake`` that stops (as Ctrl-C does, after round 1) at its ``at_call``-th call, once."""
+    from gep_fed.flower.interrupt import RunInterrupted
+
+    state = {"calls": 0}
+
+    def simulate(fed, progress=True, site_settings=None, **options):
+        state["calls"] += 1
+        if state["calls"] == at_call:
+            calls.append((fed, site_settings))
+            raise RunInterrupted(1)
+        return fake(fed, progress, site_settings, **options)
+
+    return simulate
+
+
+def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in(
+    tmp_path, monkeypatch
+):
+    from gep_fed.flower.tuning import TuneInterrupted
+
+    calls = []
+    fake = canned_simulate({0.5: 0.6, 2.0: 0.8, 4.0: 0.7}, calls)
+    monkeypatch.setattr(simulation, "simulate", interrupting(fake, 3, calls))
+    out = tmp_path / "tune"
+    config = TuneConfig(
+        base(),
+        [{"server-lr": 0.5}, {"server-lr": 2.0}, {"server-lr": 4.0}],
+        trials=4,
+        target_epsilon=3.0,
+        out_dir=str(out),
+    )
+    with pytest.raises(TuneInterrupted) as stop:
+        tune(config, rng=random.Random(5))
+    assert stop.value.line() == (
+        f"tune interrupted in trial 3 of 4 (after its round 1): rerun the same command with "
+        f"--out {out} to resume"
+    )
+    saved = json.loads((out / "tune.json").read_text())
+    assert saved["complete"] is False and len(saved["trials"]) == 2
+    assert "**Not finished**" in (out / "tune.md").read_text()
+    # other settings do not resume it
+    other = TuneConfig(
+        config.base, config.candidates, trials=4, target_epsilon=2.0, out_dir=str(out)
+    )
+    with pytest.raises(ConfigError, match=r"other settings \(target_epsilon differ\)"):
+        tune(other)
+    # the same settings resume it: the plan on disk (not a new draw), from trial 3
+    result = tune(config, rng=random.Random(99))
+    assert (
+        result.plan == tuple(saved["plan"]) == tuple(i + 1 for i in config.plan(random.Random(5)))
+    )
+    assert [c[0].run_name for c in calls] == [f"trial-00{n}" for n in (1, 2, 3, 3, 4)]
+    assert [t.trial for t in result.trials] == [1, 2, 3, 4] and result.complete
+    assert json.loads((out / "tune.json").read_text())["complete"] is True
+    with pytest.raises(ConfigError, match="holds an earlier tuning"):
+        tune(config)
+
+
+def test_a_resumed_random_search_records_its_selection_once(tmp_path, monkeypatch):
+    seed = next(s for s in range(100) if geometric(3.0).sample(random.Random(s)) >= 2)
+    calls = []
+    fake = canned_simulate({0.5: 0.6, 2.0: 0.8}, calls)
+    monkeypatch.setattr(simulation, "simulate", interrupting(fake, 2, calls))
+    config = TuneConfig(
+        base(mode="central"),
+        [{"server-lr": 0.5}, {"server-lr": 2.0}],
+        random_trials=geometric(3.0),
+        target_epsilon=4.0,
+        out_dir=str(tmp_path / "tune"),
+    )
+    from gep_fed.flower.interrupt import RunInterrupted
+
+    with pytest.raises(RunInterrupted):
+        tune(config, rng=random.Random(seed))
+    result = tune(config)  # the OS would draw a new K: the one on disk is used
+    assert result.plan == tuple(i + 1 for i in config.plan(random.Random(seed)))
+    for site in ("site-0", "site-1", "site-2"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        assert len(ledger.events) == 1 and ledger.events[0].selection == config.selection

@@ -118,7 +118,11 @@ def add_tune_parser(sub) -> None:
         help="how each trial's simulation runs (as gep-fed simulate's)",
     )
     p.add_argument("--run-dir", help="where the tuning's folder goes (default: runs)")
-    p.add_argument("--out", help="the tuning's folder (default: <run-dir>/tune-<time>)")
+    p.add_argument(
+        "--out",
+        help="the tuning's folder (default: <run-dir>/tune-<time>); an interrupted tuning's "
+        "folder, with the same settings, resumes it where it stopped",
+    )
     p.set_defaults(func=run_tune)
 
 

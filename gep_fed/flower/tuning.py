@@ -84,6 +84,7 @@ from gep_fed.federation.rundir import (
 )
 from gep_fed.federation.server import validation_score
 from gep_fed.files import write_bytes_atomically
+from gep_fed.flower.interrupt import RunInterrupted
 from gep_fed.validation import DELTA, POSITIVE, ConfigError
 
 TUNE_FORMAT = "gep-fed-tune/1"
@@ -235,6 +236,20 @@ class TuneConfig:
         shape = math.inf if isinstance(law, PoissonTrials) else float(law.eta)
         return Selection(float(law.mean), shape)
 
+    def record(self) -> dict[str, object]:
+        """Everything that decides the tuning, as ``tune.json`` keeps it (a resume must
+        match it; ``out_dir`` aside)."""
+        return {
+            "base": self.base.to_record(),
+            "candidates": [dict(c) for c in self.candidates],
+            "trials": self.trials,
+            "random_trials": None if self.random_trials is None else self.random_trials.to_dict(),
+            "target_epsilon": self.total_epsilon,
+            "delta": self.total_delta,
+            "reference": self.reference,
+            "site_settings": dict(self.site_settings),
+        }
+
     def selection_record(self) -> dict[str, object] | None:
         """The random number of trials' law as ``tune.json`` records it (None: a fixed T)."""
         if self.random_trials is None:
@@ -350,6 +365,9 @@ class TuneResult:
             GUARANTEE, or None.
         selection: the random number of trials' law (``TuneConfig.random_trials``) as
             ``{"distribution", "mean", "shape", ...}``; None for a fixed T.
+        complete: the tuning ran to its end (False while it runs, or once interrupted: the
+            same settings and folder then resume it).
+        settings: the ``TuneConfig`` it ran (``TuneConfig.record``): a resume must match.
     """
 
     out_dir: Path
@@ -366,6 +384,8 @@ class TuneResult:
     stopped: str | None
     reference: Mapping[str, object] | None = None
     selection: Mapping[str, object] | None = None
+    complete: bool = False
+    settings: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def epsilon_rdp(self) -> float:
@@ -711,55 +731,26 @@ def tune(
     out = Path(
         config.out_dir or Path(config.base.run_dir) / f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
     )
-    if (out / TUNE_JSON).exists():
-        raise ConfigError(f"{out} holds an earlier tuning ({TUNE_JSON}); choose another folder")
+    saved = _resumable(out, config)
     out.mkdir(parents=True, exist_ok=True)
     sites_dir, trials_dir = out / "sites", out / "trials"
-    plan = config.plan(rng)
     planner = _Planner(config)
-    selection = None
-    trials: list[Trial] = []
-    stopped = None
-    if config.random_trials is None:
-        epsilon, planned = _calibrate_plan(planner, plan, CALIBRATION_TOLERANCE)
-        say(
-            f"tune: {len(plan)} trial(s) of {len(config.candidates)} candidate(s), each at "
-            f"epsilon {epsilon:.4f}; together {planned:.4f} <= {config.total_epsilon:g} "
-            f"(RDP, delta={config.total_delta:g}) at every site"
-        )
-        site_settings = {
-            "epsilon-budget": config.total_epsilon,
-            "delta": config.total_delta,
-            **config.site_settings,
-            "ledger-dir": str(sites_dir),
-        }
+    selection = config.selection_record()
+    if saved is not None:  # the plan, the budget and the trials done, as recorded
+        plan = tuple(c - 1 for c in saved["plan"])
+        epsilon, planned = saved["per_trial_epsilon"], saved["planned_epsilon_rdp"]
+        trials = [Trial(**t) for t in saved["trials"]]
+        stopped = saved["stopped"]
+        say(f"tune: resuming {out} after {len(trials)} of its {len(plan)} trial(s)")
     else:
-        epsilon, planned = calibrate_selection_epsilon(config)
-        selection = config.selection_record()
-        say(
-            f"tune: a random number of trials ({_law_text(selection)}) of "
-            f"{len(config.candidates)} candidate(s), each at epsilon {epsilon:.4f}; the "
-            f"selection {planned:.4f} <= {config.total_epsilon:g} (RDP, Papernot & Steinke, "
-            f"delta={config.total_delta:g}) at every site. The trials and their number are "
-            "the trusted server's record: publishing them is outside the guarantee"
-        )
-        refused = _record_selection(config, planner.selection_event(epsilon), sites_dir, options)
-        if refused:
-            who = "; ".join(f"{s} ({why})" for s, why in refused.items())
-            stopped = f"the selection was refused before any trial by {who}"
-            say(f"tune: REFUSED: {stopped}")
-            plan = ()
-        elif not plan:  # Poisson's K = 0: the selection publishes nothing, by design
-            stopped = "no trial was drawn (K = 0): the selection publishes nothing"
-        say(f"tune: {len(plan)} trial(s) drawn")
-        # each trial within its own budget, in ledgers of its own (the trial's run directory)
-        site_settings = {
-            "delta": config.total_delta,
-            **config.site_settings,
-            "epsilon-budget": epsilon,
-        }
-    result = None
+        plan, epsilon, planned, stopped = _plan(config, planner, rng, out, sites_dir, options, say)
+        trials = []
+    site_settings = _trial_site_settings(config, sites_dir, epsilon)
+    _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
+    # the plan is on disk before any trial: a resume runs the same one
     for n, index in enumerate(plan, 1):
+        if n <= len(trials) or stopped:
+            continue
         sigma = planner.trial(index, epsilon)[0]
         fed = replace(
             config.candidate_config(index, epsilon),
@@ -769,7 +760,10 @@ def tune(
         settings = config.candidates[index]
         ledgers = sites_dir if selection is None else Path(fed.run_directory("")) / "sites"
         before = _site_rows(ledgers)
-        sim = _run_trial(fed, site_settings, options)
+        try:
+            sim = _run_trial(fed, site_settings, options)
+        except RunInterrupted as stop:
+            raise TuneInterrupted(n, len(plan), stop.completed_round, out) from None
         rows = _rows_since(ledgers, before)
         over = {
             s: [r["round"] for r in rs if r["outcome"] == "over budget"] for s, rs in rows.items()
@@ -814,14 +808,96 @@ def tune(
             say(f"{head}: FAILED: {problem}")
         else:
             say(f"{head}: validation score {score:.4f} (round {best_round})")
-        result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir)
-        _write(result)
-        if stopped:
-            break
+        _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     reference = _reference(config, out, say, options) if config.reference else None
     result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference)
+    result = replace(result, complete=True)
     _write(result)
     return result
+
+
+class TuneInterrupted(RunInterrupted):
+    """A tuning stopped inside a trial (Ctrl-C): the same settings and folder resume it."""
+
+    def __init__(self, trial: int, trials: int, completed_round: int, out: Path) -> None:
+        self.trial, self.trials, self.out = trial, trials, out
+        super().__init__(completed_round)
+
+    def line(self) -> str:
+        return (
+            f"tune interrupted in trial {self.trial} of {self.trials} (after its round "
+            f"{self.completed_round}): rerun the same command with --out {self.out} to resume"
+        )
+
+
+def _resumable(out: Path, config: TuneConfig) -> dict | None:
+    """The unfinished tuning of these same settings that ``out`` holds (None: none there)."""
+    path = out / TUNE_JSON
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path} cannot be read ({err}); choose another folder") from None
+    if saved.get("complete", True):
+        raise ConfigError(f"{out} holds an earlier tuning ({TUNE_JSON}); choose another folder")
+    mine = json.loads(json.dumps(config.record(), default=str))
+    theirs = saved.get("settings") or {}
+    if mine != theirs:
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise ConfigError(
+            f"{out} holds an unfinished tuning of other settings ({', '.join(differ)} "
+            "differ): rerun it with its own settings to resume it, or choose another folder"
+        )
+    return saved
+
+
+def _trial_site_settings(config: TuneConfig, sites_dir: Path, epsilon: float) -> dict[str, object]:
+    """The simulated sites' settings in every trial. A fixed T: one ledger each across all
+    trials, in the tuning's folder, the total as their budget. A random K: each trial within
+    its own budget, in ledgers of its own (the trial's run directory)."""
+    if config.random_trials is None:
+        return {
+            "epsilon-budget": config.total_epsilon,
+            "delta": config.total_delta,
+            **config.site_settings,
+            "ledger-dir": str(sites_dir),
+        }
+    return {"delta": config.total_delta, **config.site_settings, "epsilon-budget": epsilon}
+
+
+def _plan(config, planner, rng, out, sites_dir, options, say):
+    """A fresh tuning's (plan, per-trial epsilon, planned epsilon, why it stopped at once):
+    the trials drawn and their common budget calibrated; a random K's selection recorded in
+    every site's ledger (a refusal stops the tuning before any trial)."""
+    plan = config.plan(rng)
+    if config.random_trials is None:
+        epsilon, planned = _calibrate_plan(planner, plan, CALIBRATION_TOLERANCE)
+        say(
+            f"tune: {len(plan)} trial(s) of {len(config.candidates)} candidate(s), each at "
+            f"epsilon {epsilon:.4f}; together {planned:.4f} <= {config.total_epsilon:g} "
+            f"(RDP, delta={config.total_delta:g}) at every site"
+        )
+        return plan, epsilon, planned, None
+    epsilon, planned = calibrate_selection_epsilon(config)
+    say(
+        f"tune: a random number of trials ({_law_text(config.selection_record())}) of "
+        f"{len(config.candidates)} candidate(s), each at epsilon {epsilon:.4f}; the "
+        f"selection {planned:.4f} <= {config.total_epsilon:g} (RDP, Papernot & Steinke, "
+        f"delta={config.total_delta:g}) at every site. The trials and their number are "
+        "the trusted server's record: publishing them is outside the guarantee"
+    )
+    stopped = None
+    refused = _record_selection(config, planner.selection_event(epsilon), sites_dir, options)
+    if refused:
+        who = "; ".join(f"{s} ({why})" for s, why in refused.items())
+        stopped = f"the selection was refused before any trial by {who}"
+        say(f"tune: REFUSED: {stopped}")
+        plan = ()
+    elif not plan:  # Poisson's K = 0: the selection publishes nothing, by design
+        stopped = "no trial was drawn (K = 0): the selection publishes nothing"
+    say(f"tune: {len(plan)} trial(s) drawn")
+    return plan, epsilon, planned, stopped
 
 
 def _law_text(selection: Mapping[str, object]) -> str:
@@ -881,6 +957,7 @@ def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, ref
         stopped,
         reference,
         config.selection_record(),
+        settings=config.record(),
     )
 
 
@@ -940,6 +1017,8 @@ def result_dict(result: TuneResult) -> dict:
     """``tune.json``'s contents."""
     return {
         "format": TUNE_FORMAT,
+        "complete": result.complete,
+        "settings": result.settings,
         "total_epsilon": result.total_epsilon,
         "delta": result.delta,
         "plan": list(result.plan),
@@ -996,6 +1075,12 @@ def render_markdown(result: TuneResult) -> str:
     """``tune.md``: every trial, the chosen one, the epsilon of the whole procedure, and the
     non-private reference labelled outside the guarantee."""
     lines = ["# Private selection (gep-fed tune)", ""]
+    if not result.complete:
+        lines += [
+            "**Not finished**: running, or interrupted (the same settings and folder, "
+            f"`--out {result.out_dir}`, resume it).",
+            "",
+        ]
     if result.selection is None:
         lines += [
             f"{len(result.plan)} trial(s) planned (candidates "
