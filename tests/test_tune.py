@@ -231,16 +231,22 @@ def test_a_site_refuses_a_trial_beyond_its_budget_mid_search_and_its_ledger_is_i
     assert "**Stopped early**: trial 2" in (tmp_path / "tune" / "tune.md").read_text()
 
 
+def two_candidates_file(tmp_path: Path, more_base: str = "") -> Path:
+    """A candidates file: server-lr 1 (an int, as TOML reads it) and 3, over a small base."""
+    path = tmp_path / "candidates.toml"
+    path.write_text(
+        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nsample-rate = 1.0\n"
+        f"{more_base}\n[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nserver_lr = 3\n"
+    )
+    return path
+
+
 def test_the_command_line_tunes_from_a_candidates_file(tmp_path, monkeypatch, capsys):
     from gep_fed.cli.main import main
 
     calls = []
     monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
-    path = tmp_path / "candidates.toml"
-    path.write_text(
-        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nlocal-steps = 2\n"
-        "sample-rate = 1.0\n\n[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nserver_lr = 3\n"
-    )
+    path = two_candidates_file(tmp_path, "local-steps = 2\n")
     out = tmp_path / "tune"
     args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "2", "--out"]
     assert main([*args, str(out)]) == 0
@@ -472,11 +478,7 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
 
     calls = []
     monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
-    path = tmp_path / "candidates.toml"
-    path.write_text(
-        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nsample-rate = 1.0\n\n"
-        "[[candidate]]\nserver-lr = 1\n\n[[candidate]]\nserver_lr = 3\n"
-    )
+    path = two_candidates_file(tmp_path)
     args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "4"]
     args += ["--random-trials", "2", "--trials-law", "logarithmic"]
     assert main([*args, "--mode", "central", "--out", str(tmp_path / "t")]) == 0
