@@ -210,7 +210,8 @@ def run_simulation(fed: FederationConfig) -> dict:
 
 
 def run_tune(set_name: str, seed: int, work: Path) -> dict:
-    from gep_fed.flower.tuning import TuneConfig, tune
+    from gep_fed.federation.tuning import TuneConfig
+    from gep_fed.flower.tuning import tune
 
     base = base_config(set_name, seed, str(work), **BASE)
     began = time.perf_counter()

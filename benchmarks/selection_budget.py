@@ -3,7 +3,7 @@ trial, with T trials composed (any mode) or with a secret random number of mean 
 best published (central mode; Papernot & Steinke), at the same total.
 
 Pure accounting, no training: each trial's sigma is calibrated to the per-trial epsilon over
-its own steps (``gep_fed.flower.tuning``), for two candidates of equal length (GEP and GP,
+its own steps (``gep_fed.federation.tuning``), for two candidates of equal length (GEP and GP,
 ``--rounds`` rounds at q ``--sample-rate``) on the digits task with a validation split
 (``tests/tune_task.py``). Writes ``results/small_data/selection_budget.md``.
 
@@ -18,7 +18,11 @@ from pathlib import Path
 
 from gep_fed.accounting.selection import PoissonTrials, TruncatedNegativeBinomial
 from gep_fed.federation.config import FederationConfig
-from gep_fed.flower.tuning import TuneConfig, calibrate_selection_epsilon, calibrate_trial_epsilon
+from gep_fed.federation.tuning import (
+    TuneConfig,
+    calibrate_selection_epsilon,
+    calibrate_trial_epsilon,
+)
 
 OUT = Path(__file__).parent / "results" / "small_data" / "selection_budget.md"
 LAWS = {

@@ -13,16 +13,16 @@ from gep_fed.accounting.events import ImpossibleTargetError, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
-from gep_fed.flower import simulation
-from gep_fed.flower.simulation import SimulationResult
-from gep_fed.flower.tuning import (
-    OUTSIDE,
+from gep_fed.federation.tuning import (
+    TrialPlanner,
     TuneConfig,
-    _Planner,
+    calibrate_selection_epsilon,
     calibrate_trial_epsilon,
     candidates_from_toml,
-    tune,
 )
+from gep_fed.flower import simulation
+from gep_fed.flower.simulation import SimulationResult
+from gep_fed.flower.tuning import OUTSIDE, TuneInterrupted, tune
 from gep_fed.validation import ConfigError
 
 TASK = "tune_task:ValidatedDigits"  # tests/tune_task.py: digits with a validation split
@@ -45,7 +45,7 @@ def test_the_trials_compose_to_just_below_the_total_budget():
     plan = config.plan(random.Random(3))
     assert len(plan) == 5 and set(plan) <= {0, 1, 2}
     epsilon, composed = calibrate_trial_epsilon(config, plan)
-    planner = _Planner(config)
+    planner = TrialPlanner(config)
     events = [e for i in plan for e in planner.trial(i, epsilon)[1]]
     assert epsilon_rdp(events, 1e-5) == pytest.approx(composed)
     assert 2.0 - 1e-3 <= composed <= 2.0
@@ -200,7 +200,7 @@ def test_a_site_refuses_a_trial_beyond_its_budget_mid_search_and_its_ledger_is_i
         out_dir=str(tmp_path / "tune"),
     )
     epsilon, _ = calibrate_trial_epsilon(config, config.plan())
-    planner = _Planner(config)
+    planner = TrialPlanner(config)
     one = planner.trial(0, epsilon)[1]
     budget = (epsilon_rdp(one, 1e-5) + epsilon_rdp(one * 2, 1e-5)) / 2
     config = TuneConfig(
@@ -385,7 +385,7 @@ def independent_selection_epsilon(config: TuneConfig, epsilon: float) -> float:
     from gep_fed.accounting.events import RDP_ORDERS
     from gep_fed.accounting.selection import random_search_rdp, selection_rdp
 
-    planner = _Planner(config)
+    planner = TrialPlanner(config)
     curves = [planner.trial(i, epsilon)[1] for i in range(len(config.candidates))]
     exact = selection_rdp(random_search_rdp(curves), RDP_ORDERS, config.random_trials)
     return compute_epsilon(RDP_ORDERS, exact, config.total_delta)[0]
@@ -443,8 +443,6 @@ def test_candidates_of_different_lengths_are_bounded_by_their_worst_release_repe
         random_trials=geometric(3.0),
         target_epsilon=4.0,
     )
-    from gep_fed.flower.tuning import calibrate_selection_epsilon
-
     epsilon, selected = calibrate_selection_epsilon(config)
     assert 4.0 - 1e-3 <= selected <= 4.0
     assert independent_selection_epsilon(config, epsilon) < selected - 0.1
@@ -510,8 +508,6 @@ def interrupting(fake, at_call: int, calls: list):
 def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in(
     tmp_path, monkeypatch
 ):
-    from gep_fed.flower.tuning import TuneInterrupted
-
     calls = []
     fake = canned_simulate({0.5: 0.6, 2.0: 0.8, 4.0: 0.7}, calls)
     monkeypatch.setattr(simulation, "simulate", interrupting(fake, 3, calls))

@@ -1,4 +1,5 @@
-"""``gep-fed tune``: choose among declared settings privately (``gep_fed.flower.tuning``)."""
+"""``gep-fed tune``: choose among declared settings privately (``gep_fed.flower.tuning``,
+``gep_fed.federation.tuning``)."""
 
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ def random_trials(args: argparse.Namespace):
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from gep_fed.flower.tuning import OUTSIDE, TUNE_MD, TuneConfig, candidates_from_toml, tune
+    from gep_fed.federation.tuning import TuneConfig, candidates_from_toml
+    from gep_fed.flower.tuning import OUTSIDE, TUNE_MD, tune
 
     table, candidates = candidates_from_toml(args.candidates)
     config = TuneConfig(

@@ -1,0 +1,499 @@
+"""A private selection's declaration and its budget (issue 53), without Flower.
+
+A tuning declares candidates (each a mapping of ``FederationConfig`` fields over a base
+configuration) and how many trials to run; ``gep_fed.flower.tuning`` runs them. This module
+holds what is decided before any training: the candidates checked (``TuneConfig``), the
+trials' plan, and the common per-trial budget ``e`` that the whole procedure allows.
+
+A fixed number T of trials. The sequence of candidates is drawn before any training
+(uniformly at random by the operating system's CSPRNG, or every candidate once in the
+declared order when ``T`` equals their number): it depends on no data, so the releases of the
+whole procedure are known in advance. ``e`` is calibrated so that the RDP composition of all
+``T`` planned trials' releases (each trial's sigma calibrated to ``e`` over its own steps,
+``FederationConfig.contract``) stays within the tuning's total. In client and distributed
+mode the server sees every trial's releases, so against it a site's guarantee is that
+composition, which its ledger records and enforces.
+
+A random number of trials (``random_trials``, central mode only). The trusted server draws K
+from a declared law (truncated negative binomial or Poisson) by the OS CSPRNG and publishes
+only the best trial's candidate, score and model. Papernot & Steinke's bound (dp-accounting's
+``RepeatAndSelectDpEvent``) covers that publication as one event, whatever K turns out to be:
+each trial is bounded by one release repeated (the largest q, the smallest noise and the most
+steps of any candidate, checked to lie above every candidate's RDP curve), and ``e`` is
+calibrated so that this selection stays within the total.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from gep_fed.accounting.events import (
+    ImpossibleTargetError,
+    PrivacyEvent,
+    Selection,
+    epsilon_rdp,
+    rdp_curve,
+)
+from gep_fed.accounting.selection import (
+    PoissonTrials,
+    TrialDistribution,
+    TruncatedNegativeBinomial,
+    default_rng,
+)
+from gep_fed.federation.config import FederationConfig
+from gep_fed.validation import DELTA, POSITIVE, ConfigError
+
+# The composition of the planned trials lands this far below the total, at most.
+CALIBRATION_TOLERANCE = 1e-3
+
+# Settings every trial shares: they decide who the sites are and what they hold, who is
+# trusted, or the budget, so a candidate cannot change them (each with the reason).
+FIXED_SETTINGS = {
+    "task": "the sites' data and the server's validation data are the task's",
+    "data_dir": "the sites' data must be the same in every trial",
+    "medmnist_path": "the sites' data must be the same in every trial",
+    "num_sites": "the sites must be the same in every trial (each keeps one ledger)",
+    "partition": "the sites' data must be the same in every trial",
+    "dirichlet_alpha": "the sites' data must be the same in every trial",
+    "seed": "it decides the sites' partitions, which must be the same in every trial",
+    "total_examples": "the declared size of the sites' data is the same in every trial",
+    "mode": "who is trusted is the tuning's choice (--mode), not a candidate's",
+    "target_epsilon": "the tuning calibrates every trial's budget from its total",
+    "delta": "the tuning's delta is every trial's",
+    "noise_multiplier": "the tuning calibrates every trial's sigma from its budget",
+    "noise_seed": "a fixed noise seed is the base configuration's (tests only)",
+    "release_site_metrics": "what leaves a site is the site's choice, the same in every trial",
+    "run_dir": "the tuning places every trial's run directory",
+    "run_name": "the tuning names every trial's run directory",
+}
+# Keys a simulated site's own settings may override (``TuneConfig.site_settings``).
+_SITE_KEYS_OWNED = ("ledger-dir",)
+
+
+def _snake(key: object) -> str:
+    return str(key).replace("-", "_")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """A private selection among declared candidates.
+
+    Attributes:
+        base: the settings every trial shares (task, sites, mode, device...). Its
+            ``target_epsilon`` and ``delta`` are the tuning's total unless given below; its
+            ``noise_multiplier`` must be None (each trial's sigma is calibrated).
+        candidates: each a mapping of ``FederationConfig`` fields (snake_case or kebab-case)
+            over ``base``: the model, the mechanism (gep, bgep, gp), the step sizes, the clip
+            norms, q, the rounds, the local steps... Data-independent by construction: they
+            are declared before anything runs. A field in ``FIXED_SETTINGS`` is refused.
+        trials: T, the number of trials (None: one per candidate, in the declared order;
+            otherwise each trial's candidate is drawn uniformly by the OS CSPRNG). Each
+            trial costs privacy: the total budget is shared by all T.
+        random_trials: instead of T, the law of a random number of trials K
+            (``TruncatedNegativeBinomial`` of eta >= 0, or ``PoissonTrials``), drawn by the
+            OS CSPRNG and kept secret; only the best trial is published, accounted by
+            Papernot & Steinke's bound. Central mode only: elsewhere the server sees every
+            trial's releases, and only their composition holds against it.
+        target_epsilon: the total epsilon of the whole procedure: every site's ledger
+            records all the trials it took part in, and no site spends more than this over
+            the tuning (None: ``base.target_epsilon``).
+        delta: the delta of that total (None: ``base.delta``).
+        reference: also run every candidate once at the whole budget (fresh ledgers of its
+            own) and pick the best on validation: a non-private selection, reported as
+            OUTSIDE THE GUARANTEE (it spends up to one total budget per candidate).
+        out_dir: the tuning's directory (``tune.json``, ``tune.md``, the trials' runs and
+            the sites' shared ledgers); empty: ``base.run_dir/tune-<time>``. It must not
+            hold an earlier tuning.
+        site_settings: the simulated sites' own settings (node-config keys) over the
+            tuning's (its total as each site's ``epsilon-budget``, its ``delta``); e.g. a
+            site's lower budget. ``ledger-dir`` is the tuning's.
+    """
+
+    base: FederationConfig
+    candidates: Sequence[Mapping[str, object]]
+    trials: int | None = None
+    random_trials: TrialDistribution | None = None
+    target_epsilon: float | None = None
+    delta: float | None = None
+    reference: bool = False
+    out_dir: str = ""
+    site_settings: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.base, FederationConfig):
+            raise ConfigError(f"base must be a FederationConfig, got {type(self.base).__name__}")
+        if isinstance(self.candidates, Mapping) or not isinstance(self.candidates, Sequence):
+            raise ConfigError("candidates must be a list of mappings of settings")
+        if not self.candidates:
+            raise ConfigError("tune needs at least one candidate")
+        normalised = tuple(self._normalised(i, c) for i, c in enumerate(self.candidates, 1))
+        object.__setattr__(self, "candidates", normalised)
+        if self.trials is not None and (
+            isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1
+        ):
+            raise ConfigError(f"trials must be an integer >= 1, got {self.trials!r}")
+        if self.random_trials is not None:
+            self._check_random_trials()
+        POSITIVE.check("target_epsilon", self.total_epsilon)
+        if not math.isfinite(self.total_epsilon):
+            raise ConfigError(f"target_epsilon must be finite, got {self.total_epsilon}")
+        DELTA.check("delta", self.total_delta)
+        if self.base.noise_multiplier is not None:
+            raise ConfigError(
+                "tune calibrates every trial's sigma from its share of the budget: leave "
+                "noise-multiplier at auto in the base settings"
+            )
+        if not isinstance(self.reference, bool):
+            raise ConfigError(f"reference must be true or false, got {self.reference!r}")
+        from gep_fed.federation.policy import NODE_CONFIG_KEYS, SIMULATION_KEYS
+
+        known = NODE_CONFIG_KEYS.keys() | SIMULATION_KEYS.keys()
+        for key in self.site_settings:
+            if key not in known or key in _SITE_KEYS_OWNED:
+                raise ConfigError(
+                    f"site setting {key!r} cannot be set for a tuning's simulated sites; "
+                    f"known node-config keys: {sorted(known - set(_SITE_KEYS_OWNED))}"
+                )
+        for index in range(len(self.candidates)):
+            self.candidate_config(index)  # every bad value named now, before anything runs
+
+    def _check_random_trials(self) -> None:
+        law = self.random_trials
+        if not isinstance(law, TruncatedNegativeBinomial | PoissonTrials):
+            raise ConfigError(
+                f"random_trials must be a TruncatedNegativeBinomial or PoissonTrials, got {law!r}"
+            )
+        if self.trials is not None:
+            raise ConfigError("give either trials (a fixed T) or random_trials, not both")
+        if isinstance(law, TruncatedNegativeBinomial) and law.eta < 0:
+            raise ConfigError(
+                f"a random number of trials needs a TNB of eta >= 0 (dp-accounting's "
+                f"accounting), got eta={law.eta}"
+            )
+        mode = self.base.noise_mode
+        if mode.site_placement != "trusted-server":
+            raise ConfigError(
+                f"a random number of trials bounds only what is published after the "
+                f"selection, but in {mode.name} mode the server sees every trial's releases, "
+                "so only their composition holds against it: give a fixed number of trials, "
+                "or tune in central mode (a server the sites trust)"
+            )
+
+    @property
+    def selection(self) -> Selection | None:
+        """The random number of trials as the sites' ledgers record it (None: a fixed T)."""
+        law = self.random_trials
+        if law is None:
+            return None
+        shape = math.inf if isinstance(law, PoissonTrials) else float(law.eta)
+        return Selection(float(law.mean), shape)
+
+    def record(self) -> dict[str, object]:
+        """Everything that decides the tuning, as ``tune.json`` keeps it (a resume must
+        match it; ``out_dir`` aside)."""
+        return {
+            "base": self.base.to_record(),
+            "candidates": [dict(c) for c in self.candidates],
+            "trials": self.trials,
+            "random_trials": None if self.random_trials is None else self.random_trials.to_dict(),
+            "target_epsilon": self.total_epsilon,
+            "delta": self.total_delta,
+            "reference": self.reference,
+            "site_settings": dict(self.site_settings),
+        }
+
+    def selection_record(self) -> dict[str, object] | None:
+        """The random number of trials' law as ``tune.json`` records it (None: a fixed T)."""
+        if self.random_trials is None:
+            return None
+        return {**self.random_trials.to_dict(), **self.selection.to_dict()}
+
+    @staticmethod
+    def _normalised(index: int, candidate: object) -> dict[str, object]:
+        if not isinstance(candidate, Mapping):
+            raise ConfigError(f"candidate {index} must be a table of settings, got {candidate!r}")
+        known = {f.name for f in fields(FederationConfig)}
+        out: dict[str, object] = {}
+        for key, value in candidate.items():
+            name = _snake(key)
+            if name not in known:
+                raise ConfigError(
+                    f"candidate {index}: unknown setting {key!r}; known: "
+                    f"{sorted(k.replace('_', '-') for k in known - FIXED_SETTINGS.keys())}"
+                )
+            if name in FIXED_SETTINGS:
+                raise ConfigError(
+                    f"candidate {index}: {key!r} cannot differ between candidates: "
+                    f"{FIXED_SETTINGS[name]}"
+                )
+            if name in out:
+                raise ConfigError(f"candidate {index}: {key!r} is given twice")
+            out[name] = value
+        return out
+
+    @property
+    def total_epsilon(self) -> float:
+        return self.base.target_epsilon if self.target_epsilon is None else self.target_epsilon
+
+    @property
+    def total_delta(self) -> float:
+        return self.base.delta if self.delta is None else self.delta
+
+    @property
+    def num_trials(self) -> int:
+        return len(self.candidates) if self.trials is None else self.trials
+
+    def candidate_config(self, index: int, epsilon: float | None = None) -> FederationConfig:
+        """Candidate ``index`` (0-based) over the base, at per-trial budget ``epsilon``
+        (None: the whole total); a bad value is a ``ConfigError`` naming the candidate."""
+        record = {
+            **self.base.to_record(),
+            **{k.replace("_", "-"): v for k, v in self.candidates[index].items()},
+            "target-epsilon": float(self.total_epsilon if epsilon is None else epsilon),
+            "delta": float(self.total_delta),
+        }
+        try:
+            fed = FederationConfig.from_record(record)
+        except (ConfigError, TypeError, ValueError) as err:
+            raise ConfigError(f"candidate {index + 1}: {err}") from None
+        if fed.mechanism == "langevin":
+            raise ConfigError(
+                f"candidate {index + 1}: tune does not run langevin yet (its releases depend "
+                "on each site's data size, so no common per-trial budget can be planned)"
+            )
+        return fed
+
+    def plan(self, rng: random.Random | None = None) -> tuple[int, ...]:
+        """The trials' candidates (0-based), fixed before any training: every candidate once
+        in the declared order when ``trials`` equals their number, else each drawn uniformly
+        by ``rng`` (None: the OS CSPRNG; tests pass a seeded ``random.Random``); with
+        ``random_trials``, K is drawn first, by the same generator."""
+        n = len(self.candidates)
+        rng = rng if rng is not None else default_rng()
+        if self.random_trials is not None:
+            return tuple(rng.randrange(n) for _ in range(self.random_trials.sample(rng)))
+        if self.num_trials == n:
+            return tuple(range(n))
+        return tuple(rng.randrange(n) for _ in range(self.num_trials))
+
+
+class TrialPlanner:
+    """Each candidate's releases at a per-trial budget, as every party's ledger records them
+    (the mode's events per round, ``Mode.server_events``), cached by (candidate, budget)."""
+
+    def __init__(self, config: TuneConfig) -> None:
+        self.config = config
+        self._events: dict[tuple[int, float], tuple[float, list[PrivacyEvent]]] = {}
+        self._dimension: dict[int, int] = {}
+        self._selection: dict[float, PrivacyEvent] = {}
+
+    def dimension(self, index: int, fed: FederationConfig) -> int:
+        """A distributed share's length (the configured k: an upper bound of the basis's,
+        so the planned figure errs high); 0 outside distributed mode."""
+        if not fed.noise_mode.secure_sum:
+            return 0
+        if index not in self._dimension:
+            model = fed.make_task().build_model()
+            size = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            contract = fed.contract
+            k = fed.num_basis if contract.mechanism_type.uses_subspace else None
+            self._dimension[index] = contract.quantized_dimension(k, size)
+        return self._dimension[index]
+
+    def trial(self, index: int, epsilon: float) -> tuple[float, list[PrivacyEvent]]:
+        """(sigma, events) of one trial of candidate ``index`` at budget ``epsilon``."""
+        key = (index, epsilon)
+        if key not in self._events:
+            fed = self.config.candidate_config(index, epsilon)
+            contract = fed.contract  # raises ImpossibleTargetError if out of reach
+            dimension = self.dimension(index, fed)
+            events = [
+                event
+                for r in range(1, fed.rounds + 1)
+                for event in fed.noise_mode.server_events(contract, r, fed.local_steps, dimension)
+            ]
+            self._events[key] = (contract.noise_multiplier, events)
+        return self._events[key]
+
+    def composed(self, plan: Sequence[int], epsilon: float) -> float:
+        events = [e for index in plan for e in self.trial(index, epsilon)[1]]
+        return epsilon_rdp(events, self.config.total_delta)
+
+    def selection_event(self, epsilon: float) -> PrivacyEvent:
+        """The whole random-K selection at per-trial budget ``epsilon``, as one event: a
+        trial of any candidate is bounded by one release repeated (the largest q, the
+        smallest noise multiplier, the most steps of any candidate's releases; RDP grows with
+        each), checked to lie on or above every candidate's RDP curve, inside the tuning's
+        ``Selection``. A trial draws its candidate independently of the data, so its curve is
+        at most the largest candidate's (``selection.random_search_rdp``)."""
+        if epsilon not in self._selection:
+            trials = [self.trial(i, epsilon)[1] for i in range(len(self.config.candidates))]
+            releases = [e for events in trials for e in events]
+            worst = min(releases, key=lambda e: e.accounting_noise_multiplier)
+            bound = PrivacyEvent.gaussian(
+                worst.mechanism,
+                worst.noise_multiplier,
+                max(e.sample_rate for e in releases),
+                max(sum(e.steps for e in events) for events in trials),
+                worst.accounting_noise_multiplier,
+                placement=worst.placement,
+            )
+            ceiling = rdp_curve([bound])
+            for index, events in enumerate(trials, 1):
+                if np.any(rdp_curve(events) > ceiling * (1 + 1e-9) + 1e-12):
+                    raise ConfigError(
+                        f"candidate {index}'s releases are not bounded by the repeated release "
+                        "of the largest q, the smallest noise and the most steps: give a "
+                        "fixed number of trials instead"
+                    )
+            self._selection[epsilon] = replace(bound, selection=self.config.selection)
+        return self._selection[epsilon]
+
+    def selected(self, epsilon: float) -> float:
+        return epsilon_rdp([self.selection_event(epsilon)], self.config.total_delta)
+
+
+def calibrate_trial_epsilon(
+    config: TuneConfig, plan: Sequence[int], tol: float = CALIBRATION_TOLERANCE
+) -> tuple[float, float]:
+    """The common per-trial budget e of ``plan``'s trials and their composed RDP epsilon:
+    ``total - tol <= composition <= total`` (each trial's sigma calibrated to e over its own
+    steps; Illinois regula falsi on e, whose composition grows with it).
+
+    Raises:
+        ImpossibleTargetError: even a tiny per-trial budget cannot be met, or the trials'
+            composition exceeds the total at every budget tried: raise the total or run
+            fewer trials.
+    """
+    if not plan:
+        raise ConfigError("a tuning plans at least one trial")
+    return calibrate_plan(TrialPlanner(config), plan, tol)
+
+
+def calibrate_selection_epsilon(
+    config: TuneConfig, tol: float = CALIBRATION_TOLERANCE
+) -> tuple[float, float]:
+    """A random-K tuning's per-trial budget e and its selection's RDP epsilon:
+    ``total - tol <= selection <= total`` (``TrialPlanner.selection_event``).
+
+    Raises:
+        ImpossibleTargetError: the selection's floor (``log E[K]`` and ``log(1/gamma)``
+            terms, which no noise removes) or the candidates' releases exceed the total at
+            every budget tried: raise the total or ask for fewer trials on average.
+    """
+    planner = TrialPlanner(config)
+    law = config.random_trials
+    what = f"a random number of trials (mean {law.mean:.3g})"
+    return _calibrate(planner.selected, config, config.total_epsilon / 2, tol, what, "on average")
+
+
+def calibrate_plan(planner: TrialPlanner, plan: Sequence[int], tol: float) -> tuple[float, float]:
+    total = planner.config.total_epsilon
+    if len(plan) == 1:  # one trial: the whole budget (its sigma is calibrated to it)
+        return total, planner.composed(plan, total)
+    return _calibrate(
+        lambda e: planner.composed(plan, e),
+        planner.config,
+        total / len(plan),
+        tol,
+        f"{len(plan)} trials",
+        "",
+    )
+
+
+def _calibrate(
+    spent: Callable[[float], float],
+    config: TuneConfig,
+    start: float,
+    tol: float,
+    what: str,
+    fewer: str,
+) -> tuple[float, float]:
+    """The largest per-trial budget e (to ``tol``) whose ``spent(e)`` is within the total,
+    from ``start`` down by fours until one is, then up by regula falsi."""
+    total = config.total_epsilon
+
+    def composed(e: float) -> float:
+        try:
+            return spent(e)
+        except ImpossibleTargetError:
+            return math.inf
+
+    lo = start
+    f_lo = composed(lo)
+    while f_lo > total:
+        lo /= 4
+        if lo < 1e-6 * total:
+            raise ImpossibleTargetError(
+                f"{what} cannot share epsilon={total:g} at delta={config.total_delta:g}: "
+                f"even a per-trial budget of {lo * 4:.3g} composes to more (or cannot be "
+                f"calibrated). Raise the total or run fewer trials{' ' + fewer if fewer else ''}"
+            )
+        f_lo = composed(lo)
+    # Regula falsi on f(e) - total with the Illinois rule (a stale end's weight halves);
+    # until an infeasible e is seen, extrapolate from the origin (f grows at least linearly).
+    hi, w_lo, w_hi = total, f_lo - total, None
+    side = 0
+    for _ in range(200):
+        if total - f_lo <= tol or hi - lo <= 1e-12 * hi:
+            break
+        if w_hi is None:
+            e = lo * total / f_lo * (1 + tol / total)
+        else:
+            e = lo + (hi - lo) * (-w_lo) / (w_hi - w_lo)
+        if not (lo < e < hi):
+            e = (lo + hi) / 2
+        f_e = composed(e)
+        if f_e <= total:
+            lo, f_lo, w_lo = e, f_e, f_e - total
+            if side == -1 and w_hi is not None:
+                w_hi /= 2
+            side = -1
+        else:
+            hi, w_hi = e, min(f_e, 2 * total) - total
+            if side == 1:
+                w_lo /= 2
+            side = 1
+    return lo, spent(lo)
+
+
+def candidates_from_toml(path: str | Path) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """A candidates file: ``[[candidate]]`` tables of ``FederationConfig`` keys (kebab- or
+    snake-case, as the run config uses) and an optional ``[base]`` table of the settings
+    every trial shares. Returns (base, candidates); values are checked by ``TuneConfig``."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as err:
+        raise ConfigError(f"cannot read the candidates file {path}: {err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    unknown = sorted(set(data) - {"base", "candidate"})
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown table(s) {unknown}; a candidates file holds [[candidate]] "
+            "tables and an optional [base] table"
+        )
+    base, candidates = data.get("base", {}), data.get("candidate", [])
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: [base] must be a table of settings")
+    if not isinstance(candidates, list) or not candidates:
+        raise ConfigError(f"{path}: declares no [[candidate]] table")
+    return dict(base), [dict(c) if isinstance(c, dict) else c for c in candidates]
+
+
+def law_text(selection: Mapping[str, object]) -> str:
+    if selection["distribution"] == "poisson":
+        return f"Poisson, mean {selection['mean']:.3g}"
+    names = {0.0: "logarithmic", 1.0: "geometric"}
+    eta = float(selection["eta"])
+    law = names.get(eta, f"truncated negative binomial, eta {eta:g}")
+    return f"{law}, mean {selection['mean']:.3g}"
