@@ -101,6 +101,8 @@ def canned_simulate(scores: dict[float, float], calls: list):
     def fake(fed, progress=True, site_settings=None, **options):
         calls.append((fed, site_settings))
         run = RunDirectory(fed.run_directory(""))
+        if run.path.exists():  # a resumed tuning's finished run: simulate trains nothing
+            return SimulationResult(run.path, run.read_metrics(), None, 0.0, {})
         run.path.mkdir(parents=True)
         val = scores[fed.server_lr]
         rows = []
@@ -517,6 +519,7 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
         [{"server-lr": 0.5}, {"server-lr": 2.0}, {"server-lr": 4.0}],
         trials=4,
         target_epsilon=3.0,
+        reference=True,
         out_dir=str(out),
     )
     with pytest.raises(TuneInterrupted) as stop:
@@ -529,17 +532,21 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
     assert saved["complete"] is False and len(saved["trials"]) == 2
     assert "**Not finished**" in (out / "tune.md").read_text()
     # other settings do not resume it
-    other = TuneConfig(
-        config.base, config.candidates, trials=4, target_epsilon=2.0, out_dir=str(out)
-    )
+    from dataclasses import replace
+
     with pytest.raises(ConfigError, match=r"other settings \(target_epsilon differ\)"):
-        tune(other)
-    # the same settings resume it: the plan on disk (not a new draw), from trial 3
+        tune(replace(config, target_epsilon=2.0))
+    # the same settings resume it: the plan on disk (not a new draw), from trial 3; and
+    # once more from the reference's second candidate
+    monkeypatch.setattr(simulation, "simulate", interrupting(fake, 4, calls))
+    with pytest.raises(TuneInterrupted, match="in the reference's candidate 2 of 3"):
+        tune(config, rng=random.Random(99))
     result = tune(config, rng=random.Random(99))
     assert (
         result.plan == tuple(saved["plan"]) == tuple(i + 1 for i in config.plan(random.Random(5)))
     )
-    assert [c[0].run_name for c in calls] == [f"trial-00{n}" for n in (1, 2, 3, 3, 4)]
+    runs = [f"trial-00{n}" for n in (1, 2, 3, 3, 4)] + [f"candidate-00{n}" for n in (1, 2, 1, 2, 3)]
+    assert [c[0].run_name for c in calls] == runs
     assert [t.trial for t in result.trials] == [1, 2, 3, 4] and result.complete
     assert json.loads((out / "tune.json").read_text())["complete"] is True
     with pytest.raises(ConfigError, match="holds an earlier tuning"):

@@ -301,7 +301,7 @@ def tune(
         try:
             sim = _run_trial(fed, site_settings, options)
         except RunInterrupted as stop:
-            raise TuneInterrupted(n, len(plan), stop.completed_round, out) from None
+            raise TuneInterrupted(f"trial {n} of {len(plan)}", stop.completed_round, out) from None
         rows = _rows_since(ledgers, before)
         over = {
             s: [r["round"] for r in rs if r["outcome"] == "over budget"] for s, rs in rows.items()
@@ -355,16 +355,17 @@ def tune(
 
 
 class TuneInterrupted(RunInterrupted):
-    """A tuning stopped inside a trial (Ctrl-C): the same settings and folder resume it."""
+    """A tuning stopped inside one of its runs (Ctrl-C): the same settings and folder resume
+    it. ``where``: that run ("trial 2 of 5", "the reference's candidate 1 of 3")."""
 
-    def __init__(self, trial: int, trials: int, completed_round: int, out: Path) -> None:
-        self.trial, self.trials, self.out = trial, trials, out
+    def __init__(self, where: str, completed_round: int, out: Path) -> None:
+        self.where, self.out = where, out
         super().__init__(completed_round)
 
     def line(self) -> str:
         return (
-            f"tune interrupted in trial {self.trial} of {self.trials} (after its round "
-            f"{self.completed_round}): rerun the same command with --out {self.out} to resume"
+            f"tune interrupted in {self.where} (after its round {self.completed_round}): "
+            f"rerun the same command with --out {self.out} to resume"
         )
 
 
@@ -500,7 +501,11 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
             run_dir=str(out / "reference"),
             run_name=f"candidate-{index + 1:03d}",
         )
-        sim = _run_trial(fed, None, options)
+        try:
+            sim = _run_trial(fed, None, options)
+        except RunInterrupted as stop:
+            where = f"the reference's candidate {index + 1} of {len(config.candidates)}"
+            raise TuneInterrupted(where, stop.completed_round, out) from None
         score, best_round = _best(sim.metrics)
         ok = not (sim.stop_reason or rounds_not_applied(sim.metrics)) and score is not None
         runs.append(
