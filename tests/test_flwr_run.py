@@ -128,7 +128,14 @@ def test_flwr_stop_ends_a_run_between_rounds_and_it_resumes_from_there(tmp_path)
             assert stream.poll() is None, stream.communicate()[0][-3000:]
             time.sleep(0.5)
         os.killpg(stream.pid, signal.SIGINT)  # Ctrl-C
-        out = stream.communicate(timeout=30)[0]
+        try:
+            out = stream.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            # Flower's CLI once (1 fresh-clone CI run in 4, on loaded cores) kept streaming
+            # after the first Ctrl-C; a user presses it again. Its own behaviour, not ours:
+            # what this test pins is that the run goes on, then stops between rounds.
+            os.killpg(stream.pid, signal.SIGINT)
+            out = stream.communicate(timeout=30)[0]
         assert "Traceback" not in out, out[-3000:]
 
         def runs_listed() -> list[dict]:
