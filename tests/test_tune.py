@@ -118,19 +118,26 @@ def canned_simulate(scores: dict[float, float], calls: list):
     return fake
 
 
-def test_tune_chooses_the_best_validation_score_and_reports_every_trial(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(
-        simulation, "simulate", canned_simulate({0.5: 0.6, 2.0: 0.8, 4.0: 0.7}, calls)
-    )
-    config = TuneConfig(
+# Validation scores by server step size (canned_simulate); the middle one is best.
+THREE_SCORES = {0.5: 0.6, 2.0: 0.8, 4.0: 0.7}
+
+
+def three_step_sizes(out: Path) -> TuneConfig:
+    """Four trials drawn among three step sizes, total epsilon 3, with the reference."""
+    return TuneConfig(
         base(),
-        [{"server-lr": 0.5}, {"server-lr": 2.0}, {"server-lr": 4.0}],
+        [{"server-lr": lr} for lr in THREE_SCORES],
         trials=4,
         target_epsilon=3.0,
         reference=True,
-        out_dir=str(tmp_path / "tune"),
+        out_dir=str(out),
     )
+
+
+def test_tune_chooses_the_best_validation_score_and_reports_every_trial(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(simulation, "simulate", canned_simulate(THREE_SCORES, calls))
+    config = three_step_sizes(tmp_path / "tune")
     lines = []
     result = tune(config, rng=random.Random(5), log=lines.append)
     plan = config.plan(random.Random(5))
@@ -139,10 +146,7 @@ def test_tune_chooses_the_best_validation_score_and_reports_every_trial(tmp_path
     assert all(t.status == "finished" for t in result.trials)
     best = max(result.trials, key=lambda t: (t.validation_score, -t.trial))
     assert result.chosen == best and result.chosen.best_round == 2
-    assert (
-        result.chosen.validation_score
-        == {0.5: 0.6, 2.0: 0.8, 4.0: 0.7}[result.chosen.settings["server_lr"]]
-    )
+    assert result.chosen.validation_score == THREE_SCORES[result.chosen.settings["server_lr"]]
     assert result.model_path == Path(result.chosen.run_dir) / "best_model.pt"
     # the chosen run's test metrics at its best round, and only the chosen one's
     assert result.test_metrics["balanced_accuracy"] == pytest.approx(
@@ -511,17 +515,10 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
     tmp_path, monkeypatch
 ):
     calls = []
-    fake = canned_simulate({0.5: 0.6, 2.0: 0.8, 4.0: 0.7}, calls)
+    fake = canned_simulate(THREE_SCORES, calls)
     monkeypatch.setattr(simulation, "simulate", interrupting(fake, 3, calls))
     out = tmp_path / "tune"
-    config = TuneConfig(
-        base(),
-        [{"server-lr": 0.5}, {"server-lr": 2.0}, {"server-lr": 4.0}],
-        trials=4,
-        target_epsilon=3.0,
-        reference=True,
-        out_dir=str(out),
-    )
+    config = three_step_sizes(out)
     with pytest.raises(TuneInterrupted) as stop:
         tune(config, rng=random.Random(5))
     assert stop.value.line() == (
