@@ -10,7 +10,6 @@ import os
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -41,6 +40,8 @@ class TwoFindingsTask(Task):
 
     def __init__(self, settings: TaskSettings | None = None) -> None:
         super().__init__(settings)
+        from sklearn.datasets import load_digits  # here: collecting the tests stays light
+
         digits = load_digits()
         perm = np.random.default_rng(self.settings.seed).permutation(len(digits.target))
         self.train_idx, self.test_idx = perm[:1400], perm[1400:]

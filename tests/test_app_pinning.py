@@ -71,6 +71,7 @@ def test_the_pin_of_a_bundle_is_the_sha256_of_its_bytes_as_file_bytes_or_folder(
     assert fab_pin(project) == digest  # what `flwr run tiny` sends: the same bytes
 
 
+@pytest.mark.slow  # over ~3 s
 def test_the_projects_bundle_holds_the_code_a_site_runs_and_nothing_of_the_lab():
     """What `flwr run .` sends and a hospital pins: the library, the apps, the examples and
     the deployment scripts; never the benchmarks' logs, the docs or the tests."""

@@ -85,6 +85,7 @@ def test_the_fitted_mu_covers_the_true_shift_at_its_confidence():
     assert fitted_mu_lower_bound(scores / 2 + 0.25 * included, included) > 1.2
 
 
+@pytest.mark.audit
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])
 @pytest.mark.parametrize("mechanism", ["gep", "bgep", "gp"])
@@ -100,6 +101,7 @@ def test_an_honest_run_audits_below_its_claim_and_above_zero(mechanism, mode, ep
     assert result.placement == expected
 
 
+@pytest.mark.audit
 @pytest.mark.parametrize("mechanism", ["gep", "gp"])
 def test_a_distributed_run_audits_below_its_claim(mechanism):
     """Three sites' quantised shares with a third of the noise each, summed as SecAgg+ sums
@@ -160,6 +162,7 @@ def test_a_gross_leak_is_caught_above_its_claim(setup, broken):
     assert leaky.epsilon_lower_bound > leaky.claimed_epsilon_rdp
 
 
+@pytest.mark.audit
 def test_langevin_multi_pass_is_audited_on_its_iterates():
     """Every iterate is a release; the auditor reconstructs the noisy clipped gradient sum.
     Its claim here is tiny (epsilon 0.03 after 5 steps on 16 examples), and so is the bound."""

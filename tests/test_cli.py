@@ -102,6 +102,7 @@ def test_langevin_simulation_shows_the_epsilon_the_sites_ledgers_hold(tmp_path):
     assert "only the sites' own ledgers hold it" in (run_dir / "report.md").read_text()
 
 
+@pytest.mark.slow  # over ~3 s
 def test_a_comparison_with_a_failed_run_marks_it_and_returns_its_failure(tmp_path):
     """A cell whose rounds updated nothing must not read as a result: the table marks it and
     lists why, and ``gep-fed compare`` exits 1 on the returned lines."""
@@ -180,6 +181,7 @@ def test_a_round_played_again_on_resume_is_reported_by_its_latest_attempt():
     assert missed.startswith("the model was not updated in round(s) 1:")
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_command_lines_help_imports_neither_dp_accounting_nor_opacus():
     import subprocess
     import sys

@@ -13,8 +13,6 @@ from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.step import GEPStep
 from gep_fed.mechanisms.step_config import GEPConfig
 
-opacus = pytest.importorskip("opacus")
-
 N, B = 4000, 16  # dataset size and batch: the estimate divides by q n = B
 
 
@@ -29,6 +27,7 @@ def our_gradient(model, x, y, clip, sigma, seed=3):
 
 
 def opacus_gradient(model, x, y, clip, sigma, seed=3):
+    opacus = pytest.importorskip("opacus")  # here: the other worker never imports it
     module = opacus.GradSampleModule(copy.deepcopy(model))
     optimizer = opacus.optimizers.DPOptimizer(
         torch.optim.SGD(module.parameters(), lr=0.1),

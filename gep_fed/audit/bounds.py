@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import numpy as np
-from scipy import stats
 
 METHOD = (
     "one-run audit, white box: Steinke, Nasr & Jagielski 2023 (Theorem 3); f-DP of "
@@ -28,6 +27,8 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
         raise ValueError(f"need 0 <= v <= r <= m, got v={v}, r={r}, m={m}")
     if v == 0:
         return 1.0
+    from scipy import stats  # here, not at import: `gep-fed` starts without SciPy's stats
+
     accuracy = 1.0 / (1.0 + math.exp(-epsilon))
     tail = float(stats.binom.sf(v - 1, r, accuracy))
     i = np.arange(1, v + 1)
@@ -99,6 +100,7 @@ def gdp_epsilon(mu: float, delta: float) -> float:
         return 0.0
     if math.isinf(mu):
         return math.inf
+    from scipy import stats
 
     def delta_at(eps: float) -> float:
         return float(
@@ -141,7 +143,7 @@ def fitted_mu_lower_bound(
     spread of the scores rather than trusting the claimed noise std, a mechanism adding less
     noise than it accounts shows a larger ``mu``. A parametric estimate: it can catch a leak
     the distribution-free analyses cannot, but it is only as sound as its assumption."""
-    from scipy import optimize
+    from scipy import optimize, stats
 
     n1, n0 = int(included.sum()), int((~included).sum())
     if n1 < 2 or n0 < 2:
