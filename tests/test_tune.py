@@ -3,16 +3,20 @@ budget that every site's ledger records and enforces."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from gep_fed.accounting.events import ImpossibleTargetError, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.accounting.selection import PoissonTrials
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
+from gep_fed.federation.site_score import SiteScore
 from gep_fed.federation.tuning import (
     TrialPlanner,
     TuneConfig,
@@ -89,9 +93,92 @@ def test_a_fixed_sigma_or_an_unknown_site_setting_is_refused():
 
 def test_a_task_without_validation_data_is_refused(tmp_path):
     config = TuneConfig(FederationConfig(num_public=100), [{}], out_dir=str(tmp_path / "t"))
-    with pytest.raises(ConfigError, match="tune never selects on the test split"):
+    with pytest.raises(ConfigError, match=r"--site-validation .*never selects on the test"):
         tune(config)
     assert not (tmp_path / "t").exists()
+
+
+# Digits has no validation split at the server: the sites score on examples they hold out.
+NO_VALIDATION = dict(BASE, task="digits", num_sites=2, rounds=1, noise_seed=3)
+
+
+@pytest.mark.slow  # two trials, in process (~4 s)
+def test_without_server_validation_the_sites_noised_counts_choose_and_are_accounted(tmp_path):
+    """Real simulations: each trial's final model is scored by the sites' noised counts on
+    their held-out examples; each site's ledger records one score per trial beside the
+    trial's rounds, and the plan's composition (scores included) is what the ledgers hold."""
+    score = SiteScore(0.2, 2.0)
+    config = TuneConfig(
+        FederationConfig(**NO_VALIDATION),
+        [{"server-lr": 0.01}, {"server-lr": 2.0}],
+        target_epsilon=6.0,
+        out_dir=str(tmp_path / "tune"),
+        site_score=score,
+        reference=True,
+    )
+    result = tune(config, simulate_options={"engine": "in-process"})
+    assert [t.status for t in result.trials] == ["finished", "finished"]
+    # the reference scores on the same held-out examples, exactly (outside the guarantee)
+    assert result.reference["chosen"]["candidate"] == 2
+    assert all(r["finished"] for r in result.reference["runs"])
+    assert result.chosen.candidate == 2  # a step size of 0.01 barely moves the model
+    assert result.trials[1].validation_score > result.trials[0].validation_score + 0.2
+    epsilon = result.per_trial_epsilon
+    planner = TrialPlanner(config)
+    planned = [e for i in (0, 1) for e in planner.trial(i, epsilon)[1]]
+    assert sum(e.mechanism == "site-score" for e in planned) == 2
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        scores = [e for e in ledger.events if e.mechanism == "site-score"]
+        assert [e.accounting_noise_multiplier for e in scores] == [2.0 / 2**0.5] * 2
+        assert ledger.epsilon() == pytest.approx(epsilon_rdp(planned, 1e-5))
+        assert ledger.epsilon() <= 6.0
+    assert result.model_path.name == "model.pt"
+    text = (tmp_path / "tune" / "tune.md").read_text()
+    assert "sites' noised per-class counts on the 0.2 of their examples" in text
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert saved["settings"]["site_score"] == {"fraction": 0.2, "noise_std": 2.0}
+
+
+def test_a_site_refuses_its_score_beyond_its_budget_and_keeps_its_ledger(tmp_path):
+    """A site whose budget holds a trial's rounds but not its score: the rounds run, the
+    score is refused before anything is counted, and the trial is refused, the site named."""
+    score = SiteScore(0.2, 2.0)
+    config = TuneConfig(
+        FederationConfig(**NO_VALIDATION),
+        [{"server-lr": 2.0}],
+        target_epsilon=6.0,
+        out_dir=str(tmp_path / "tune"),
+        site_score=score,
+    )
+    rounds = [e for e in TrialPlanner(config).trial(0, 6.0)[1] if e.mechanism != "site-score"]
+    config = replace(config, site_settings={"epsilon-budget": epsilon_rdp(rounds, 1e-5) + 1e-3})
+    result = tune(config, simulate_options={"engine": "in-process"})
+    assert result.trials[0].status == "refused" and result.chosen is None
+    assert set(result.trials[0].refused_by) == {"site-0", "site-1"}
+    assert "over budget for its score" in result.trials[0].refused_by["site-0"]
+    ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / "site-0" / "ledger.json")
+    assert all(e.mechanism == "gep" for e in ledger.events)
+    assert ledger.epsilon() == pytest.approx(epsilon_rdp(rounds, 1e-5))
+
+
+def test_site_scores_need_a_fixed_number_of_trials_and_both_options():
+    with pytest.raises(ConfigError, match="give a fixed number of trials"):
+        TuneConfig(
+            base(mode="central"),
+            [{}],
+            random_trials=PoissonTrials(2.0),
+            site_score=SiteScore(0.2, 2.0),
+        )
+    with pytest.raises(ConfigError, match="site setting 'validation-fraction'"):
+        TuneConfig(base(), [{}], site_settings={"validation-fraction": 0.2})
+    from gep_fed.cli.tune import site_score
+
+    both = argparse.Namespace(site_validation=0.2, score_noise=2.0)
+    assert site_score(both) == SiteScore(0.2, 2.0)
+    assert site_score(argparse.Namespace(site_validation=None, score_noise=None)) is None
+    with pytest.raises(ConfigError, match="--site-validation and --score-noise go together"):
+        site_score(argparse.Namespace(site_validation=0.2, score_noise=None))
 
 
 def canned_simulate(scores: dict[float, float], calls: list):
@@ -529,8 +616,6 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
     assert saved["complete"] is False and len(saved["trials"]) == 2
     assert "**Not finished**" in (out / "tune.md").read_text()
     # other settings do not resume it
-    from dataclasses import replace
-
     with pytest.raises(ConfigError, match=r"other settings \(target_epsilon differ\)"):
         tune(replace(config, target_epsilon=2.0))
     # the same settings resume it: the plan on disk (not a new draw), from trial 3; and

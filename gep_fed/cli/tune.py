@@ -106,6 +106,22 @@ def add_tune_parser(sub) -> None:
         "validation: a non-private selection, labelled OUTSIDE THE GUARANTEE",
     )
     p.add_argument(
+        "--site-validation",
+        type=float,
+        metavar="FRACTION",
+        help="score each trial on this share of every site's examples, held out from its "
+        "training, by the sites' noised per-class counts (one release per site and trial, "
+        "in its ledger and in the budget); for a task whose server has no validation data. "
+        "Needs --score-noise",
+    )
+    p.add_argument(
+        "--score-noise",
+        type=float,
+        metavar="STD",
+        help="with --site-validation: the Gaussian noise's std on each count a site releases "
+        "(larger: more private, a noisier score)",
+    )
+    p.add_argument(
         "--site-data",
         action="append",
         metavar="NAME=PATH",
@@ -159,6 +175,18 @@ def random_trials(args: argparse.Namespace):
     return TruncatedNegativeBinomial.from_mean(TRIAL_LAWS[args.trials_law], mean)
 
 
+def site_score(args: argparse.Namespace):
+    """``--site-validation FRACTION --score-noise STD`` as a ``SiteScore`` (None: neither)."""
+    from gep_fed.federation.site_score import SiteScore
+
+    given = (args.site_validation is not None, args.score_noise is not None)
+    if given == (False, False):
+        return None
+    if given != (True, True):
+        raise ConfigError("--site-validation and --score-noise go together")
+    return SiteScore(args.site_validation, args.score_noise)
+
+
 def run_tune(args: argparse.Namespace) -> int:
     from gep_fed.federation.tuning import TuneConfig, candidates_from_toml
     from gep_fed.flower.tuning import OUTSIDE, TUNE_MD, tune
@@ -173,6 +201,7 @@ def run_tune(args: argparse.Namespace) -> int:
         delta=args.delta,
         reference=args.reference,
         out_dir=args.out or "",
+        site_score=site_score(args),
     )
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -111,6 +111,8 @@ SIMULATION_KEYS = {
     "ledger-dir": "folder of the simulated sites' ledgers (default: the run directory)",
     "site-data": "the simulated sites' own data: {site name: data path}, site i takes the "
     "i-th (default: shares of the task's pooled data)",
+    "validation-fraction": "share of the site's examples it holds out (each by its own coin) "
+    "for its noised validation score, never trained on (gep-fed tune --site-validation)",
 }
 
 
@@ -247,6 +249,8 @@ class SiteConfig:
             the site, so a deleted file can never reset its accounting.
         device: "auto" (cuda when available), "cpu" or "cuda".
         num_workers: ``DataLoader`` worker processes decoding each sample (0: in process).
+        validation_fraction: a simulated site's share of examples held out for its noised
+            validation score (``gep_fed.federation.site_score``); 0: none.
     """
 
     site_id: str
@@ -266,6 +270,7 @@ class SiteConfig:
     num_workers: int = 0
     site_key_path: str = ""
     peers_path: str = ""
+    validation_fraction: float = 0.0
 
     @property
     def simulated(self) -> bool:
@@ -384,6 +389,7 @@ class SiteConfig:
             num_workers=get.integer("num-workers") or 0,
             site_key_path=site_key,
             peers_path=peers,
+            validation_fraction=_fraction(get.number("validation-fraction")),
         )
 
     def pinned_peers(self) -> PinnedPeers:
@@ -406,6 +412,14 @@ class SiteConfig:
             public = create_site_key(path)
             path.with_name(path.name + ".pub").write_text(key_text(public) + "\n")
         return load_site_key(path)
+
+
+def _fraction(value: float | None) -> float:
+    if value is None:
+        return 0.0
+    if not 0 <= value < 1:
+        raise ConfigError(f"node config validation-fraction must be in [0, 1), got {value}")
+    return float(value)
 
 
 def simulated_site_name(settings: Mapping[str, object]) -> str:

@@ -33,6 +33,7 @@ from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
 from gep_fed.federation.modes import SiteRelease
 from gep_fed.federation.policy import SiteConfig, SitePolicy
+from gep_fed.federation.site_score import split_site_data
 from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
 from gep_fed.mechanisms.anchors import AnchorSet, rebuild_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
@@ -329,17 +330,37 @@ def _first_langevin_step(rc: RoundConfig) -> int:
 def site_dataset(
     task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
 ) -> Dataset:
-    """The site's private data: its own file (a deployed site, the path from its node
-    config; a simulated site given its own data), or its share of the task's pooled data
-    (a simulated site)."""
+    """The site's private training data: its own file (a deployed site, the path from its
+    node config; a simulated site given its own data), or its share of the task's pooled
+    data (a simulated site); less the examples it holds out for its validation score
+    (``site_validation_data``)."""
+    return site_data_parts(task, site, num_sites, partition, alpha, seed)[0]
+
+
+def site_validation_data(
+    task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
+) -> Dataset:
+    """The examples a simulated site holds out for its noised validation score (its
+    ``validation-fraction``; empty when 0), never in its training data."""
+    return site_data_parts(task, site, num_sites, partition, alpha, seed)[1]
+
+
+def site_data_parts(
+    task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
+) -> tuple[Dataset, Dataset]:
+    """(training, held-out) parts of the site's data (see ``site_dataset``)."""
     if site.partition_id is None or site.data_path:
-        return task.site_dataset(site.data_path)
-    shares = pooled_shares(task, num_sites, partition, alpha, seed)
-    if not (0 <= site.partition_id < len(shares)):
-        raise ConfigError(
-            f"partition-id {site.partition_id} is out of range for {len(shares)} sites"
-        )
-    return shares[site.partition_id]
+        data = task.site_dataset(site.data_path)
+    else:
+        shares = pooled_shares(task, num_sites, partition, alpha, seed)
+        if not (0 <= site.partition_id < len(shares)):
+            raise ConfigError(
+                f"partition-id {site.partition_id} is out of range for {len(shares)} sites"
+            )
+        data = shares[site.partition_id]
+    if not site.validation_fraction:
+        return data, Subset(data, [])
+    return split_site_data(data, site.validation_fraction, f"{seed}/{site.site_id}/validation")
 
 
 def pooled_shares(

@@ -48,6 +48,7 @@ from gep_fed.accounting.selection import (
     default_rng,
 )
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.site_score import SiteScore
 from gep_fed.validation import DELTA, POSITIVE, ConfigError
 
 # The composition of the planned trials lands this far below the total, at most.
@@ -73,8 +74,8 @@ FIXED_SETTINGS = {
     "run_dir": "the tuning places every trial's run directory",
     "run_name": "the tuning names every trial's run directory",
 }
-# Keys a simulated site's own settings may override (``TuneConfig.site_settings``).
-_SITE_KEYS_OWNED = ("ledger-dir",)
+# Simulated sites' keys the tuning sets itself: refused in ``TuneConfig.site_settings``.
+_SITE_KEYS_OWNED = ("ledger-dir", "validation-fraction")
 
 
 def _snake(key: object) -> str:
@@ -114,6 +115,11 @@ class TuneConfig:
         site_settings: the simulated sites' own settings (node-config keys) over the
             tuning's (its total as each site's ``epsilon-budget``, its ``delta``); e.g. a
             site's lower budget. ``ledger-dir`` is the tuning's.
+        site_score: score each trial on the sites' held-out examples, by their noised
+            per-class counts (``SiteScore``: one Gaussian release per site and trial, in the
+            sites' ledgers and in the planned budget), instead of on the server's own
+            validation data; for a task whose server has none. A fixed number of trials
+            only. None: the server's validation data.
     """
 
     base: FederationConfig
@@ -125,6 +131,7 @@ class TuneConfig:
     reference: bool = False
     out_dir: str = ""
     site_settings: Mapping[str, object] = field(default_factory=dict)
+    site_score: SiteScore | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, FederationConfig):
@@ -141,6 +148,14 @@ class TuneConfig:
             raise ConfigError(f"trials must be an integer >= 1, got {self.trials!r}")
         if self.random_trials is not None:
             self._check_random_trials()
+        if self.site_score is not None:
+            if not isinstance(self.site_score, SiteScore):
+                raise ConfigError(f"site_score must be a SiteScore, got {self.site_score!r}")
+            if self.random_trials is not None:
+                raise ConfigError(
+                    "the sites' noised scores are accounted trial by trial: give a fixed "
+                    "number of trials, or score on the server's validation data"
+                )
         POSITIVE.check("target_epsilon", self.total_epsilon)
         if not math.isfinite(self.total_epsilon):
             raise ConfigError(f"target_epsilon must be finite, got {self.total_epsilon}")
@@ -207,6 +222,8 @@ class TuneConfig:
             "delta": self.total_delta,
             "reference": self.reference,
             "site_settings": dict(self.site_settings),
+            # only when set: a tuning recorded before site scores resumes unchanged
+            **({"site_score": self.site_score.to_dict()} if self.site_score else {}),
         }
 
     def selection_record(self) -> dict[str, object] | None:
@@ -319,6 +336,8 @@ class TrialPlanner:
                 for r in range(1, fed.rounds + 1)
                 for event in fed.noise_mode.server_events(contract, r, fed.local_steps, dimension)
             ]
+            if self.config.site_score is not None:  # each site's score of the trial's model
+                events.append(self.config.site_score.event())
             self._events[key] = (contract.noise_multiplier, events)
         return self._events[key]
 

@@ -14,7 +14,10 @@ where it exceeds the site's budget, and each trial runs with ledgers of its own 
 per-trial budget; the list of trials, their scores and K itself are the trusted server's
 record, and publishing them is outside the guarantee (``tune.md`` says so where it lists
 them). The selection score is computed by the server on its own validation data, which holds
-no site's data: the score, the choice and the chosen model are post-processing.
+no site's data: the score, the choice and the chosen model are post-processing. Where the
+server has none, the simulated sites score each trial's final model on examples they hold
+out, by noised per-class counts recorded in their ledgers (``TuneConfig.site_score``,
+``gep_fed.federation.site_score``).
 
 The plan is written to ``tune.json`` before the first trial: an interrupted tuning
 (``TuneInterrupted``) resumes from the trial it stopped in, with the same plan.
@@ -34,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from gep_fed.accounting.events import (
     PrivacyEvent,
 )
@@ -42,10 +47,11 @@ from gep_fed.accounting.ledger import (
     PrivacyLedger,
     create_ledger_key,
     default_key_path,
+    default_mark_path,
     read_ledger_key,
 )
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.policy import simulated_site_name
+from gep_fed.federation.policy import SiteConfig, simulated_site_name
 from gep_fed.federation.rundir import (
     BEST_MODEL,
     MODEL,
@@ -64,6 +70,7 @@ from gep_fed.federation.tuning import (
 )
 from gep_fed.files import write_bytes_atomically
 from gep_fed.flower.interrupt import RunInterrupted
+from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.validation import ConfigError
 
 TUNE_FORMAT = "gep-fed-tune/1"
@@ -195,13 +202,80 @@ def _model_file(run_dir: Path) -> Path | None:
 
 
 def _check_validation(config: TuneConfig) -> None:
+    if config.site_score is not None:
+        return
     fed = config.candidate_config(0)
     if fed.make_task().validation_dataset() is None:
         raise ConfigError(
             f"task {fed.task!r} has no validation data (Task.validation_dataset): tune "
-            "selects on the server's own validation data, and tune never selects on the test "
-            "split"
+            "selects on the server's own validation data, or on the sites' held-out examples "
+            "by their noised counts (--site-validation FRACTION --score-noise STD); it never "
+            "selects on the test split"
         )
+
+
+def _site_score(
+    config: TuneConfig,
+    fed: FederationConfig,
+    site_settings: Mapping[str, object],
+    options: Mapping[str, object],
+    run_dir: Path,
+    private: bool = True,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Score a finished trial on the simulated sites' held-out examples: each site records
+    its release in its ledger (refusing it beyond its budget), then releases its per-class
+    counts with its own Gaussian noise; the sum gives the score. Returns (score metrics,
+    {site: why} for each site that refused). ``private=False``: the exact counts, nothing
+    recorded (the non-private reference only, OUTSIDE THE GUARANTEE)."""
+    from gep_fed.federation.site import site_validation_data
+    from gep_fed.federation.site_score import (
+        class_counts,
+        model_classes,
+        noisy_counts,
+        score_from_counts,
+    )
+    from gep_fed.flower.simulation import simulated_site_settings
+
+    site_data = options.get("site_data") or None
+    settings = {**simulated_site_settings(fed, site_data), **site_settings}
+    task = fed.make_task()
+    model = task.build_model()
+    saved = torch.load(run_dir / MODEL, map_location="cpu", weights_only=True)
+    model.load_state_dict(saved["model"])  # the model the trial ends with (EMA, if it keeps one)
+    classes = model_classes(model, task.public_dataset()[0][0])
+    total, refused = None, {}
+    count = len(site_data) if site_data else fed.num_sites
+    for i in range(count):
+        node = {"partition-id": i, "num-partitions": count}
+        site = SiteConfig.from_node_config(node, settings, fed.run_directory(""))
+        held = site_validation_data(
+            task, site, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
+        )
+        if not private:
+            counts = class_counts(model, held, task.kind, classes)
+            total = counts if total is None else total + counts
+            continue
+        key = read_ledger_key(site.ledger_key_path)
+        ledger = PrivacyLedger.open(
+            site.ledger_path,
+            site.policy.delta,
+            site.policy.epsilon_budget,
+            site.site_id,
+            key=key,
+            mark_path=default_mark_path(Path(site.ledger_key_path)),
+        )
+        try:  # recorded before it is computed, as every release
+            ledger.record(config.site_score.event(site.site_id))
+        except BudgetExceededError as err:
+            refused[site.site_id] = f"over budget for its score: {err}"
+            continue
+        counts = class_counts(model, held, task.kind, classes)
+        noise = NoiseSource(site.policy.noise_seed)
+        released = noisy_counts(counts, config.site_score.noise_std, noise)
+        total = released if total is None else total + released
+    if refused or total is None:
+        return {}, refused
+    return score_from_counts(total), {}
 
 
 def _site_epsilons(folder: Path) -> dict[str, dict[str, float]]:
@@ -315,6 +389,15 @@ def tune(
             if r["outcome"] not in ("accepted", "over budget")
         ]
         not_applied = rounds_not_applied(sim.metrics)
+        ran = not (refused or sim.stop_reason or not_applied or problems)
+        if config.site_score is not None:  # the final model, on the sites' held-out examples
+            score, best_round = None, None
+            if ran and (Path(sim.run_dir) / MODEL).exists():
+                site_metrics, refused = _site_score(
+                    config, fed, site_settings, options, Path(sim.run_dir)
+                )
+                score = validation_score(site_metrics)
+                best_round = sim.metrics[-1]["round"] if score is not None else None
         if refused:
             status, problem = "refused", None
         elif sim.stop_reason or not_applied or problems or score is None:
@@ -396,11 +479,15 @@ def _trial_site_settings(config: TuneConfig, sites_dir: Path, epsilon: float) ->
     trials, in the tuning's folder, the total as their budget. A random K: each trial within
     its own budget, in ledgers of its own (the trial's run directory)."""
     if config.random_trials is None:
+        held_out = {}
+        if config.site_score is not None:
+            held_out = {"validation-fraction": config.site_score.fraction}
         return {
             "epsilon-budget": config.total_epsilon,
             "delta": config.total_delta,
             **config.site_settings,
             "ledger-dir": str(sites_dir),
+            **held_out,
         }
     return {"delta": config.total_delta, **config.site_settings, "epsilon-budget": epsilon}
 
@@ -468,7 +555,8 @@ def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, ref
     model, test = None, {}
     if chosen is not None:
         run_dir = Path(chosen.run_dir)
-        model = _model_file(run_dir)
+        # the sites scored the final model; the server's validation, its best round's
+        model = run_dir / MODEL if config.site_score is not None else _model_file(run_dir)
         from gep_fed.federation.rundir import RunDirectory
 
         test = _test_metrics(RunDirectory(run_dir).read_metrics(), chosen.best_round)
@@ -501,13 +589,20 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
             run_dir=str(out / "reference"),
             run_name=f"candidate-{index + 1:03d}",
         )
+        held_out = None
+        if config.site_score is not None:  # the same held-out examples as the trials'
+            held_out = {"validation-fraction": config.site_score.fraction}
         try:
-            sim = _run_trial(fed, None, options)
+            sim = _run_trial(fed, held_out, options)
         except RunInterrupted as stop:
             where = f"the reference's candidate {index + 1} of {len(config.candidates)}"
             raise TuneInterrupted(where, stop.completed_round, out) from None
         score, best_round = _best(sim.metrics)
-        ok = not (sim.stop_reason or rounds_not_applied(sim.metrics)) and score is not None
+        ok = not (sim.stop_reason or rounds_not_applied(sim.metrics))
+        if held_out is not None and ok:
+            exact, _ = _site_score(config, fed, held_out, options, Path(sim.run_dir), False)
+            score, best_round = validation_score(exact), sim.metrics[-1]["round"]
+        ok = ok and score is not None
         runs.append(
             {
                 "candidate": index + 1,
@@ -605,6 +700,27 @@ def _metrics_text(metrics: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()) or "n/a"
 
 
+def _score_source(site_score: Mapping[str, float] | None) -> str:
+    """Where the validation scores come from, in one line of ``tune.md``."""
+    if site_score is None:
+        return (
+            "Validation score: balanced accuracy (else accuracy) on the server's own "
+            "validation data, which holds no site's data, at each trial's best round."
+        )
+    return (
+        "Validation score: balanced accuracy of each trial's final model from the sites' "
+        f"noised per-class counts on the {site_score['fraction']:g} of their examples they "
+        f"hold out (noise std {site_score['noise_std']:g} per count; one Gaussian release "
+        "per site and trial, in its ledger and in the epsilon below)."
+    )
+
+
+def _score_cost(site_score: Mapping[str, float] | None) -> str:
+    if site_score is None:
+        return "the score is the server's own validation data"
+    return "the scores come from the sites' noised counts, already in their ledgers"
+
+
 def render_markdown(result: TuneResult) -> str:
     """``tune.md``: every trial, the chosen one, the epsilon of the whole procedure, and the
     non-private reference labelled outside the guarantee."""
@@ -637,6 +753,8 @@ def render_markdown(result: TuneResult) -> str:
             "",
         ]
     lines += [
+        _score_source(result.settings.get("site_score")),
+        "",
         "| trial | candidate | settings | sigma | status | validation score | best round |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -674,7 +792,7 @@ def render_markdown(result: TuneResult) -> str:
             f"the composition of every trial it took part in, as its ledger records it: "
             f"epsilon {_fmt(result.epsilon_rdp)} (RDP), {_fmt(result.epsilon_pld)} (PLD), "
             f"delta {result.delta:g}. The choice, its score and its model are post-processing "
-            "(the score is the server's own validation data): they cost nothing more. The "
+            f"({_score_cost(result.settings.get('site_score'))}): they cost nothing more. The "
             "tighter bound for a random number of trials (Papernot & Steinke) needs a server "
             "the sites trust (central mode).",
             "",

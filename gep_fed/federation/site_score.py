@@ -1,0 +1,139 @@
+"""A site's noised validation score: how a model is scored without a server's own
+validation data (``gep-fed tune --site-validation``).
+
+A site that agrees holds out a share of its examples, each by its own coin (public
+randomness, independent of the data: a neighbouring data set differs in one example, which
+lands in the training part or the held-out part, never both). After a trial, it counts, per
+class, its held-out examples and those the model predicts right, adds Gaussian noise of its
+own standard deviation to each count, and releases the counts. One example changes its
+class's two counts by at most one each: L2 sensitivity sqrt(2), so the release is a Gaussian
+mechanism of noise multiplier ``std / sqrt(2)``, recorded in the site's ledger before the
+counts are computed. The server sums the sites' noisy counts and scores balanced accuracy
+from them: post-processing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset
+
+from gep_fed.accounting.events import PrivacyEvent
+from gep_fed.data.metrics import predict
+from gep_fed.mechanisms.noise import NoiseSource
+from gep_fed.validation import ConfigError
+
+SCORE_RELEASE = "site-score"  # the ledger's name for the release
+SENSITIVITY = math.sqrt(2.0)  # one example: its class's held-out count and right count
+
+
+def held_out_mask(n: int, fraction: float, key: str) -> torch.Tensor:
+    """Which of ``n`` examples a site holds out: an independent coin of probability
+    ``fraction`` per example, drawn in order from a generator keyed by ``key`` (public: the
+    run's seed and the site's name), so example i's coin does not depend on the others."""
+    if not 0 < fraction < 1:
+        raise ConfigError(f"validation fraction must be in (0, 1), got {fraction!r}")
+    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < fraction
+
+
+def split_site_data(dataset: Dataset, fraction: float, key: str) -> tuple[Subset, Subset]:
+    """The site's (training, held-out) parts (``held_out_mask``)."""
+    mask = held_out_mask(len(dataset), fraction, key)
+    held = torch.nonzero(mask).flatten().tolist()
+    kept = torch.nonzero(~mask).flatten().tolist()
+    return Subset(dataset, kept), Subset(dataset, held)
+
+
+def score_event(noise_std: float, party: str = "") -> PrivacyEvent:
+    """The release of one site's noisy counts, as its ledger records it."""
+    if not (noise_std > 0 and math.isfinite(noise_std)):
+        raise ConfigError(f"score noise must be a finite std > 0, got {noise_std!r}")
+    return PrivacyEvent.gaussian(
+        SCORE_RELEASE, noise_std, 1.0, 1, noise_std / SENSITIVITY, party=party
+    )
+
+
+def class_counts(model: nn.Module, data: Dataset, kind: str, classes: int) -> np.ndarray:
+    """(2, classes): per class, the held-out examples and those ``model`` predicts right.
+    ``classes`` is the task's (public: the model's outputs), never read from the data; an
+    example whose label is not one of them counts nowhere, as training drops it."""
+    if kind not in ("multiclass", "binary"):
+        raise ConfigError(f"a site's score counts classes: not for {kind!r} tasks")
+    counts = np.zeros((2, classes))
+    if len(data) == 0:
+        return counts
+    logits, targets = predict(model, data)
+    if logits.ndim == 1 or logits.shape[1] == 1:
+        predicted = (logits.reshape(-1) > 0).long()
+    else:
+        predicted = logits.argmax(dim=1)
+    targets = targets.reshape(-1)
+    known = (targets == targets.round()) & (targets >= 0) & (targets < classes)
+    targets, predicted = targets[known].long(), predicted[known]
+    np.add.at(counts[0], targets.numpy(), 1)
+    np.add.at(counts[1], targets[predicted == targets].numpy(), 1)
+    return counts
+
+
+def model_classes(model: nn.Module, example: torch.Tensor) -> int:
+    """The classes a model scores (its output width; one logit: binary, two classes), from
+    one public-shaped input."""
+    with torch.no_grad():
+        width = model.eval()(example[None]).reshape(1, -1).shape[1]
+    return max(2, width)
+
+
+def noisy_counts(counts: np.ndarray, noise_std: float, noise: NoiseSource) -> np.ndarray:
+    """``counts`` with Gaussian noise of ``noise_std`` on every entry."""
+    like = torch.zeros(counts.shape, dtype=torch.float64)
+    return counts + noise.gaussian(like, noise_std).numpy()
+
+
+def score_from_counts(counts: np.ndarray) -> dict[str, float]:
+    """Accuracy and balanced accuracy from summed (noisy) counts: each class's recall is
+    its right count over its count, clipped to [0, 1], over the classes whose noisy count
+    is at least one."""
+    total, right = counts[0], np.clip(counts[1], 0, None)
+    present = total >= 1
+    if not present.any():
+        return {}
+    recall = np.clip(right[present] / total[present], 0.0, 1.0)
+    accuracy = min(1.0, right.sum() / max(total.sum(), 1.0))
+    return {"accuracy": float(accuracy), "balanced_accuracy": float(recall.mean())}
+
+
+@dataclass(frozen=True)
+class SiteScore:
+    """How a tuning scores a trial without the server's own validation data: each site
+    holds out ``fraction`` of its examples and releases its per-class counts on them with
+    Gaussian noise of std ``noise_std`` (in counts), once per trial, in its ledger.
+
+    Attributes:
+        fraction: share of each site's examples held out (never trained on), in (0, 1).
+        noise_std: the noise's std on each count: larger is more private and a noisier
+            score (the release's noise multiplier is ``noise_std / sqrt(2)``).
+    """
+
+    fraction: float
+    noise_std: float
+
+    def __post_init__(self) -> None:
+        for name in ("fraction", "noise_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"site score {name} must be a number, got {value!r}")
+        if not 0 < self.fraction < 1:
+            raise ConfigError(f"site score fraction must be in (0, 1), got {self.fraction}")
+        score_event(self.noise_std)  # names a bad std
+
+    def event(self, party: str = "") -> PrivacyEvent:
+        return score_event(self.noise_std, party)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"fraction": float(self.fraction), "noise_std": float(self.noise_std)}
