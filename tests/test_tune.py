@@ -162,6 +162,16 @@ def test_a_site_refuses_its_score_beyond_its_budget_and_keeps_its_ledger(tmp_pat
     assert ledger.epsilon() == pytest.approx(epsilon_rdp(rounds, 1e-5))
 
 
+def test_central_modes_estimate_divides_by_the_examples_the_sites_train_on():
+    from gep_fed.flower.tuning import _trained_examples
+
+    fed = FederationConfig(**{**NO_VALIDATION, "mode": "central"})
+    pooled = len(fed.make_task().train_dataset())
+    trained = _trained_examples(fed, {"validation-fraction": 0.2}, {})
+    assert 0.7 * pooled < trained < 0.9 * pooled
+    assert _trained_examples(fed, {}, {}) == pooled
+
+
 def test_site_scores_need_a_fixed_number_of_trials_and_both_options():
     with pytest.raises(ConfigError, match="give a fixed number of trials"):
         TuneConfig(

@@ -214,6 +214,38 @@ def _check_validation(config: TuneConfig) -> None:
         )
 
 
+def _simulated_sites(
+    fed: FederationConfig, site_settings: Mapping[str, object], options: Mapping[str, object]
+) -> list[SiteConfig]:
+    """The simulated sites of a trial, as each one configures itself."""
+    from gep_fed.flower.simulation import simulated_site_settings
+
+    site_data = options.get("site_data") or None
+    settings = {**simulated_site_settings(fed, site_data), **site_settings}
+    count = len(site_data) if site_data else fed.num_sites
+    return [
+        SiteConfig.from_node_config(
+            {"partition-id": i, "num-partitions": count}, settings, fed.run_directory("")
+        )
+        for i in range(count)
+    ]
+
+
+def _trained_examples(
+    fed: FederationConfig, site_settings: Mapping[str, object], options: Mapping[str, object]
+) -> int:
+    """N of central mode's estimate when the sites hold examples out: their training parts'
+    total (the coins are public, and N is treated as public), so the estimate stays
+    unbiased."""
+    from gep_fed.federation.site import site_dataset
+
+    task = fed.make_task()
+    return sum(
+        len(site_dataset(task, site, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed))
+        for site in _simulated_sites(fed, site_settings, options)
+    )
+
+
 def _site_score(
     config: TuneConfig,
     fed: FederationConfig,
@@ -234,20 +266,14 @@ def _site_score(
         noisy_counts,
         score_from_counts,
     )
-    from gep_fed.flower.simulation import simulated_site_settings
 
-    site_data = options.get("site_data") or None
-    settings = {**simulated_site_settings(fed, site_data), **site_settings}
     task = fed.make_task()
     model = task.build_model()
     saved = torch.load(run_dir / MODEL, map_location="cpu", weights_only=True)
     model.load_state_dict(saved["model"])  # the model the trial ends with (EMA, if it keeps one)
     classes = model_classes(model, task.public_dataset()[0][0])
     total, refused = None, {}
-    count = len(site_data) if site_data else fed.num_sites
-    for i in range(count):
-        node = {"partition-id": i, "num-partitions": count}
-        site = SiteConfig.from_node_config(node, settings, fed.run_directory(""))
+    for site in _simulated_sites(fed, site_settings, options):
         held = site_validation_data(
             task, site, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
         )
@@ -358,6 +384,10 @@ def tune(
         plan, epsilon, planned, stopped = _plan(config, planner, rng, out, sites_dir, options, say)
         trials = []
     site_settings = _trial_site_settings(config, sites_dir, epsilon)
+    trained = None
+    base = config.candidate_config(0)
+    if config.site_score and base.noise_mode.server_steps and base.total_examples is None:
+        trained = _trained_examples(base, site_settings, options)
     _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     # the plan is on disk before any trial: a resume runs the same one
     for n, index in enumerate(plan, 1):
@@ -369,6 +399,8 @@ def tune(
             run_dir=str(trials_dir),
             run_name=f"trial-{n:03d}",
         )
+        if trained is not None:
+            fed = replace(fed, total_examples=trained)
         settings = config.candidates[index]
         ledgers = sites_dir if selection is None else Path(fed.run_directory("")) / "sites"
         before = _site_rows(ledgers)
@@ -592,6 +624,8 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
         held_out = None
         if config.site_score is not None:  # the same held-out examples as the trials'
             held_out = {"validation-fraction": config.site_score.fraction}
+            if fed.noise_mode.server_steps and fed.total_examples is None:
+                fed = replace(fed, total_examples=_trained_examples(fed, held_out, options))
         try:
             sim = _run_trial(fed, held_out, options)
         except RunInterrupted as stop:
