@@ -90,26 +90,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_local_superlinks(port: int) -> dict[int, str]:
-    """Stop the SuperLink(s) `flwr run` started on ``port`` (Linux: read from /proc), with
-    the processes of their session; returns their ids and command lines."""
-    stopped = {}
+def _processes() -> dict[int, tuple[int, list[str]]]:
+    """Every process's (parent pid, command line), read from /proc (Linux)."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        words = [a.decode(errors="replace") for a in argv]
-        if any(w.endswith("flower-superlink") for w in words[:2]) and str(port) in words:
-            pid = int(entry.name)
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-            stopped[pid] = " ".join(words).strip()
-    return stopped
+        table[int(entry.name)] = (parent, [a.decode(errors="replace") for a in argv])
+    return table
+
+
+def stop_local_superlinks(port: int) -> dict[int, str]:
+    """Stop the SuperLink(s) `flwr run` started on ``port`` (Linux: read from /proc) and
+    everything they started: their sessions, and the detached SuperExec and simulation
+    processes that name them (or each other) as ``--parent-pid`` or parent. Returns the
+    SuperLinks' ids and command lines."""
+    table = _processes()
+    links = {
+        pid: " ".join(words).strip()
+        for pid, (_, words) in table.items()
+        if any(w.endswith("flower-superlink") for w in words[:2]) and str(port) in words
+    }
+    doomed, grown = set(links), True
+    while grown:  # descendants, by parent or by the --parent-pid a detached child is given
+        grown = False
+        for pid, (parent, words) in table.items():
+            named = words[words.index("--parent-pid") + 1] if "--parent-pid" in words[:-1] else ""
+            if pid not in doomed and (parent in doomed or named in {str(d) for d in doomed}):
+                doomed.add(pid)
+                grown = True
+    own = os.getpgid(0)
+    for pid in doomed:
+        try:
+            group = os.getpgid(pid)
+            if group == own:  # never the test run's own group: that process alone
+                os.kill(pid, signal.SIGTERM)
+            else:
+                os.killpg(group, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return links
 
 
 class LocalGrid(InProcessGrid):

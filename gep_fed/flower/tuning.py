@@ -373,7 +373,6 @@ def tune(
     out.mkdir(parents=True, exist_ok=True)
     sites_dir, trials_dir = out / "sites", out / "trials"
     planner = TrialPlanner(config)
-    selection = config.selection_record()
     if saved is not None:  # the plan, the budget and the trials done, as recorded
         plan = tuple(c - 1 for c in saved["plan"])
         epsilon, planned = saved["per_trial_epsilon"], saved["planned_epsilon_rdp"]
@@ -402,7 +401,8 @@ def tune(
         if trained is not None:
             fed = replace(fed, total_examples=trained)
         settings = config.candidates[index]
-        ledgers = sites_dir if selection is None else Path(fed.run_directory("")) / "sites"
+        fixed = config.random_trials is None  # one ledger per site, else the trial's own
+        ledgers = sites_dir if fixed else Path(fed.run_directory("")) / "sites"
         before = _site_rows(ledgers)
         try:
             sim = _run_trial(fed, site_settings, options)
