@@ -45,8 +45,8 @@ def add_tune_parser(sub) -> None:
         "and every site's ledger records every trial it took part in and refuses one beyond "
         "its budget; with --random-trials, in central mode, a secret random number of trials "
         "accounted as one selection). The candidate whose run scores best on the server's "
-        "own validation "
-        "data is chosen; its model and test figures are reported, never used to choose. "
+        "own validation data (with --site-validation: on the sites' noised counts) is "
+        "chosen; its model and test figures are reported, never used to choose. "
         "Writes tune.json and tune.md. Exit status 1 when no trial finished.",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
