@@ -734,3 +734,44 @@ def test_a_flwr_run_config_leaving_the_model_to_the_task_reaches_the_pinned_site
         client_app.admit_task(deployed({**pinned, "model": "cnn"}, run_config), None)
     with pytest.raises(wire.RoundRefused):
         client_app.admit_task(deployed(hospital, run_config), None)  # another task
+
+
+# -- a score of the served model on the site's held-out examples ------------------------------
+
+
+def score_query(server, classes: int = 10) -> Message:
+    state = wire.encode_state(server.served_model.state_dict())
+    content = {
+        wire.GLOBAL_MODEL: ArrayRecord({k: Array(v) for k, v in state.items()}),
+        wire.SCORE_REQUEST: ConfigRecord(wire.score_request(classes)),
+    }
+    return Message(content=RecordDict(content), message_type=MessageType.QUERY, dst_node_id=1)
+
+
+def test_a_deployed_site_scores_only_by_its_own_node_config_and_records_every_answer(
+    tmp_path, digits, hospital
+):
+    """A score query holds the model and the classes only: the site answers where its own
+    node config holds examples out and sets the noise, records each answer in its ledger
+    first, and replies with its noised counts alone; asking again spends again."""
+    server = make_server(tmp_path, digits)
+    run_config = server.cfg.to_record()
+    reply = client_app.handle_query(score_query(server), deployed(hospital, run_config))
+    assert refused(reply, "release not allowed") and site_ledger(hospital).steps == 0
+    client_app._SITES.clear()
+    scoring = {**hospital, "validation-fraction": 0.25, "score-noise": 6.0}  # two fit BUDGET
+    answers = []
+    for _ in range(2):
+        reply = client_app.handle_query(score_query(server), deployed(scoring, run_config))
+        assert not reply.has_error() and set(reply.content) == {wire.SITE_SCORE}
+        answers.append(wire.decode_counts(reply.content.array_records[wire.SITE_SCORE], "h1", 10))
+    assert 40 <= answers[0][0].sum() <= 160  # about a quarter of 400 examples, noised
+    assert not np.allclose(answers[0], answers[1])  # fresh noise each time
+    events = site_ledger(hospital).events
+    assert [e.mechanism for e in events] == ["site-score"] * 2
+    ((site, _),) = client_app._SITES.values()
+    assert len(site.dataset) + len(site.validation) == 400  # the held-out part is not trained on
+    for bad in (score_query(server, classes=1), round_message(server, 1)):
+        reply = client_app.handle_query(bad, deployed(scoring, run_config))
+        assert refused(reply, "malformed round")
+    assert site_ledger(hospital).steps == 2

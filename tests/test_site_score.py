@@ -4,7 +4,9 @@ accounted as dp-accounting accounts it."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import dp_accounting
 import numpy as np
@@ -14,10 +16,12 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
+from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.metrics import evaluate
-from gep_fed.federation.policy import SiteConfig
-from gep_fed.federation.site import site_dataset, site_validation_data
+from gep_fed.federation import wire
+from gep_fed.federation.policy import SiteConfig, SitePolicy
+from gep_fed.federation.site import Site, site_dataset, site_validation_data
 from gep_fed.federation.site_score import (
     SiteScore,
     class_counts,
@@ -28,6 +32,7 @@ from gep_fed.federation.site_score import (
     score_from_counts,
     split_site_data,
 )
+from gep_fed.federation.wire import RoundRefused
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.validation import ConfigError
 
@@ -101,10 +106,62 @@ def test_a_simulated_site_never_trains_on_its_held_out_examples():
         SiteConfig.from_node_config({"partition-id": 0}, {"validation-fraction": 1.5})
 
 
-def test_a_deployed_site_cannot_hold_out_examples_yet():
+def test_a_deployed_site_keeps_its_split_across_runs_and_sets_its_own_noise():
     node = {"task": "digits", "data-path": "x", "ledger-path": "l", "delta": 1e-5}
-    with pytest.raises(ConfigError, match=r"unknown node config key.*validation-fraction"):
-        SiteConfig.from_node_config({**node, "site-id": "a", "validation-fraction": 0.2})
+    node = {**node, "site-id": "a", "epsilon-budget": 8.0}
+    site = SiteConfig.from_node_config({**node, "validation-fraction": 0.2, "score-noise": 3.0})
+    assert site.validation_fraction == 0.2 and site.policy.score_noise == 3.0
+    assert SiteConfig.from_node_config(node).policy.score_noise is None  # no score released
+    with pytest.raises(ConfigError, match="score-noise must be a std > 0"):
+        SiteConfig.from_node_config({**node, "score-noise": 0.0})
+
+
+def scoring_site(tmp_path, budget: float = 8.0, score_noise: float | None = 2.0) -> Site:
+    data = small_data(60)
+    train, held = split_site_data(data, 0.25, "site-a/validation")
+    policy = SitePolicy(budget, 1e-5, score_noise=score_noise, noise_seed=4)
+    ledger = PrivacyLedger(1e-5, budget, "site-a", tmp_path / "ledger.json")
+    return Site("site-a", small_classifier(), train, policy, ledger=ledger, validation=held)
+
+
+def test_a_site_records_its_score_then_releases_its_noised_counts(tmp_path):
+    site = scoring_site(tmp_path)
+    exact = class_counts(site.model, site.validation, "multiclass", 3)
+    released = site.score_counts(3)
+    assert released.shape == (2, 3) and not np.allclose(released, exact)
+    assert np.abs(released - exact).max() < 5 * 2.0
+    (event,) = site.ledger.events
+    assert event.mechanism == "site-score" and event.party == "site-a"
+    assert event.accounting_noise_multiplier == pytest.approx(2.0 / math.sqrt(2))
+
+
+def test_a_site_refuses_a_score_it_does_not_release_or_cannot_afford(tmp_path):
+    with pytest.raises(RoundRefused, match="release not allowed"):
+        scoring_site(tmp_path / "a", score_noise=None).score_counts(3)
+    poor = scoring_site(tmp_path / "b", budget=0.5)  # one score costs more than 0.5
+    with pytest.raises(RoundRefused, match="over budget"):
+        poor.score_counts(3)
+    assert poor.ledger.events == ()
+
+
+def test_a_score_reply_is_exactly_its_counts():
+    good = wire.encode_counts(np.ones((2, 3)))
+    arrays = {k: wire.as_wire_array(v) for k, v in good.items()}
+    assert wire.decode_counts(arrays, "site", 3).shape == (2, 3)
+    bad = [
+        ({"counts": np.ones((2, 4))}, "shape"),
+        ({"counts": np.ones((2, 3), dtype=np.float32)}, "dtype"),
+        ({"counts": np.full((2, 3), np.nan)}, "NaN"),
+        ({"counts": np.ones((2, 3)), "more": np.ones(1)}, "unexpected arrays"),
+    ]
+    for values, message in bad:
+        arrays = {k: wire.as_wire_array(v) for k, v in values.items()}
+        with pytest.raises(wire.WireError, match=message):
+            wire.decode_counts(arrays, "site", 3)
+    assert wire.check_score_request(wire.score_request(10)) == 10
+    for classes in (1, True, 3.0, 10**6):
+        with pytest.raises(wire.WireError, match="classes"):
+            wire.check_score_request({**wire.score_request(10), "classes": classes})
 
 
 def test_exact_counts_give_the_metrics_balanced_accuracy():
@@ -156,3 +213,32 @@ def test_split_site_data_keeps_every_example_once():
     data = small_data(100)
     train, held = split_site_data(data, 0.3, "k")
     assert sorted(train.indices + held.indices) == list(range(100))
+
+
+def test_a_run_asks_its_sites_for_a_score_and_names_those_that_release_none(tmp_path):
+    """In process, the real apps: after the last round the server queries every site; a
+    site whose settings set no score-noise refuses by its fixed code, one that does replies
+    with its noised counts, recorded in its ledger."""
+    from gep_fed.federation.config import FederationConfig
+    from gep_fed.flower.simulation import simulate
+
+    fed = FederationConfig(
+        num_public=100, num_basis=8, rounds=1, local_steps=1, sample_rate=1.0, num_sites=2,
+        noise_seed=3, run_dir=str(tmp_path), run_name="none",
+    )  # fmt: skip
+    held_out = {"validation-fraction": 0.2}
+    simulate(fed, False, engine="in-process", site_settings=held_out, score_sites=True)
+    record = json.loads((tmp_path / "none" / "site_score.json").read_text())
+    assert record["sites_ok"] == 0 and len(record["rejected"]) == 2
+    assert all("release not allowed" in r for r in record["rejected"])
+    assert not any(k.startswith("site_val_") for k in record)
+    # the run spends the sites' whole budget on its rounds: a score needs a larger one
+    noised = {**held_out, "score-noise": 2.0, "epsilon-budget": 2 * fed.target_epsilon}
+    fed = replace(fed, run_name="noised")
+    simulate(fed, False, engine="in-process", site_settings=noised, score_sites=True)
+    record = json.loads((tmp_path / "noised" / "site_score.json").read_text())
+    assert record["sites_ok"] == 2 and record["rejected"] == []
+    assert 0 <= record["site_val_balanced_accuracy"] <= 1
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "noised" / "sites" / site / "ledger.json")
+        assert ledger.events[-1].mechanism == "site-score"

@@ -102,6 +102,10 @@ NODE_CONFIG_KEYS = {
     "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
     "device": "auto (cuda when available), cpu or cuda",
     "num-workers": "DataLoader worker processes that decode the sampled examples (0)",
+    "validation-fraction": "share of the site's examples it holds out (each by its own coin, "
+    "never trained on) to score a model when asked (gep-fed tune --site-validation); 0: none",
+    "score-noise": "the std of the Gaussian noise this site adds to each count of a score "
+    "(one release per query, in its ledger); without it the site releases no score",
 }
 # Keys only a simulated site's settings may hold (a deployed site's noise is never seeded).
 SIMULATION_KEYS = {
@@ -111,8 +115,6 @@ SIMULATION_KEYS = {
     "ledger-dir": "folder of the simulated sites' ledgers (default: the run directory)",
     "site-data": "the simulated sites' own data: {site name: data path}, site i takes the "
     "i-th (default: shares of the task's pooled data)",
-    "validation-fraction": "share of the site's examples it holds out (each by its own coin) "
-    "for its noised validation score, never trained on (gep-fed tune --site-validation)",
 }
 
 
@@ -147,6 +149,9 @@ class SitePolicy:
         max_rebuild_work, max_rebuild_mib: the most a basis rebuilt from anchors may cost
             (``wire.RebuildCost``: multiply-adds, and MiB held), checked from the record's
             declared shapes before anything is computed (``admit_rebuild``).
+        score_noise: the std of the Gaussian noise the site adds to each count of a score
+            of a model on its held-out examples (``gep_fed.federation.site_score``); None:
+            the site releases no score.
     """
 
     epsilon_budget: float | None
@@ -161,6 +166,7 @@ class SitePolicy:
     max_augmentation_copies: int = DEFAULT_MAX_AUGMENTATION_COPIES
     max_rebuild_work: int = DEFAULT_MAX_REBUILD_WORK
     max_rebuild_mib: int = DEFAULT_MAX_REBUILD_MIB
+    score_noise: float | None = None
 
     def __post_init__(self) -> None:
         if self.epsilon_budget is None and not self.allow_no_noise:
@@ -193,6 +199,10 @@ class SitePolicy:
         AUGMENTATION_COPIES.check("max-augmentation-copies", self.max_augmentation_copies)
         AT_LEAST_ONE.check("max-rebuild-work", self.max_rebuild_work)
         AT_LEAST_ONE.check("max-rebuild-mib", self.max_rebuild_mib)
+        if self.score_noise is not None and not (
+            math.isfinite(self.score_noise) and self.score_noise > 0
+        ):
+            raise ConfigError(f"score-noise must be a std > 0, got {self.score_noise}")
 
     def admit_rebuild(self, cost: RebuildCost) -> None:
         """Refuse ("over compute limit") a basis rebuild that costs more work or memory than
@@ -249,8 +259,8 @@ class SiteConfig:
             the site, so a deleted file can never reset its accounting.
         device: "auto" (cuda when available), "cpu" or "cuda".
         num_workers: ``DataLoader`` worker processes decoding each sample (0: in process).
-        validation_fraction: a simulated site's share of examples held out for its noised
-            validation score (``gep_fed.federation.site_score``); 0: none.
+        validation_fraction: the site's share of examples held out to score models on,
+            never trained on (``gep_fed.federation.site_score``); 0: none.
     """
 
     site_id: str
@@ -353,6 +363,7 @@ class SiteConfig:
             ),
             max_rebuild_work=get.integer("max-rebuild-work", DEFAULT_MAX_REBUILD_WORK),
             max_rebuild_mib=get.integer("max-rebuild-mib", DEFAULT_MAX_REBUILD_MIB),
+            score_noise=get.number("score-noise"),
         )
         device = get.text("device") or "auto"
         if device not in DEVICES:

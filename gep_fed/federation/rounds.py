@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from gep_fed.accounting.ledger import BudgetExceededError
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import CONFIG, RunDirectory
+from gep_fed.federation.rundir import CONFIG, SITE_SCORE, RunDirectory
 from gep_fed.federation.secure_sum import (
     ADVERTISE,
     COLLECT,
@@ -52,6 +52,7 @@ from gep_fed.federation.secure_sum import (
     unmasked_sum,
 )
 from gep_fed.federation.server import FederationServer
+from gep_fed.federation.site_score import model_classes, score_from_counts
 
 log = logging.getLogger("gep_fed.server")
 
@@ -97,10 +98,11 @@ class Envelope:
 
 @dataclass(frozen=True)
 class Request:
-    """What the server sends one site (a train message)."""
+    """What the server sends one site: a round (a train message), or a query (a score)."""
 
     node: int
     content: Envelope
+    kind: str = "train"
 
 
 @dataclass(frozen=True)
@@ -687,6 +689,50 @@ class RoundLoop:
             "round_seconds": time.perf_counter() - began,
             **self.info,
         }
+
+    # -- after the rounds: the sites' score ---------------------------------------------------
+
+    def score_sites(self, grid: RoundGrid, timeout: float | None = None) -> dict:
+        """Ask every site to score the served model on the examples it holds out: each
+        that agrees (its node config's ``score-noise``) records one Gaussian release in its
+        ledger and replies with its noised per-class counts (``site_score``); their sum gives
+        accuracy and balanced accuracy (post-processing). Returns and writes to the run
+        directory (``SITE_SCORE``) the metrics as ``site_val_*``, the sites that replied,
+        and the refusals by fixed reason."""
+        model = self.server.served_model
+        classes = model_classes(model, self.server.public[0][0].to(self.server.device))
+        state = wire.encode_state(model.state_dict())
+        records = {
+            wire.GLOBAL_MODEL: Arrays(state),
+            wire.SCORE_REQUEST: Config(wire.score_request(classes)),
+        }
+        requests = [Request(n, Envelope(records), "query") for n in sorted(grid.node_ids())]
+        total, rejected, seen, ok = None, [], set(), 0
+        for reply in grid.exchange(requests, group_id=None, timeout=timeout):
+            sender = f"site at node {reply.node}"
+            try:
+                if reply.node in seen:
+                    raise wire.WireError(sender, "reply", "duplicate reply")
+                seen.add(reply.node)
+                if reply.error is not None:
+                    raise wire.WireError(sender, "error", wire.describe_error(reply.error, None))
+                arrays = reply.content.arrays(wire.SITE_SCORE)
+                if arrays is None:
+                    raise wire.WireError(sender, wire.SITE_SCORE, "missing")
+                counts = wire.decode_counts(arrays, sender, classes)
+            except wire.WireError as err:
+                log.warning("score: rejected reply: %s", err)
+                rejected.append(str(err))
+                continue
+            total, ok = (counts if total is None else total + counts), ok + 1
+        metrics = {} if total is None else score_from_counts(total)
+        record = {
+            **{f"site_val_{k}": v for k, v in metrics.items()},
+            "sites_ok": ok,
+            "rejected": rejected,
+        }
+        self.server.run.write_json(SITE_SCORE, record)
+        return record
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ OUTCOME = "outcome.json"
 SITES = "sites.json"
 # A simulated site's rounds and their outcomes, in its folder (``sites/<site>/``).
 SITE_ROUNDS = "rounds.jsonl"
+# The sites' noised score of the final model, where the run asked for one.
+SITE_SCORE = "site_score.json"
 
 
 class RunDirectoryError(ValueError):

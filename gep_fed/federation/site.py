@@ -33,7 +33,12 @@ from gep_fed.data.partition import partition_indices
 from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_examples
 from gep_fed.federation.modes import SiteRelease
 from gep_fed.federation.policy import SiteConfig, SitePolicy
-from gep_fed.federation.site_score import split_site_data
+from gep_fed.federation.site_score import (
+    class_counts,
+    noisy_counts,
+    score_event,
+    split_site_data,
+)
 from gep_fed.federation.wire import RebuildCost, RoundConfig, RoundRefused
 from gep_fed.mechanisms.anchors import AnchorSet, rebuild_anchor_subspace
 from gep_fed.mechanisms.groups import ParameterLayout
@@ -83,6 +88,8 @@ class Site:
             site computes: their extra rows join its samples' clipped sums, and in client-side
             mode each sees the noisy release of every local step. One that adds rows changes
             the site's private sums: never in a real run (the Flower apps attach none).
+        validation: the examples the site holds out to score models on (never in
+            ``dataset``); None: the site has none and releases no score.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class Site:
         num_workers: int = 0,
         augmentation: Augment | None = None,
         observers: Iterable[ReleaseObserver] = (),
+        validation: Dataset | None = None,
     ) -> None:
         validate_model(model)
         if len(dataset) == 0:
@@ -121,6 +129,8 @@ class Site:
         self.num_workers = num_workers
         self.augmentation = augmentation
         self.observers = Observers(observers)
+        self.kind = kind
+        self.validation = validation
 
     @property
     def num_examples(self) -> int:
@@ -160,6 +170,24 @@ class Site:
                 total += float(self.loss_fn(self.model(x[valid]), y[valid])) * int(valid.sum())
                 count += int(valid.sum())
         return total / max(count, 1)
+
+    def score_counts(self, classes: int) -> np.ndarray:
+        """The current model's noised per-class counts on the held-out examples
+        (``gep_fed.federation.site_score``), recorded in the ledger before they are computed.
+
+        Raises ``RoundRefused``: "release not allowed" when the site's node config holds out
+        no examples or sets no ``score-noise``; "over budget" beyond its budget."""
+        if self.ledger is None:
+            raise ValueError(f"site {self.site_id}: needs its ledger")
+        std = self.policy.score_noise
+        if std is None or self.validation is None:
+            raise RoundRefused("release not allowed")
+        try:
+            self.ledger.record(score_event(std, self.site_id))
+        except BudgetExceededError:
+            raise RoundRefused("over budget") from None
+        counts = class_counts(self.model, self.validation, self.kind, classes)
+        return noisy_counts(counts, std, self.noise)
 
     def rebuild_subspace(self, anchors: AnchorSet) -> AnchorSubspace:
         """The round's basis from public anchors and coefficients the server sent, at the
@@ -346,7 +374,12 @@ def site_validation_data(
 
 
 def site_data_parts(
-    task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
+    task: Task,
+    site: SiteConfig,
+    num_sites: int = 0,
+    partition: str = "iid",
+    alpha: float = 0.0,
+    seed: int = 0,
 ) -> tuple[Dataset, Dataset]:
     """(training, held-out) parts of the site's data (see ``site_dataset``)."""
     if site.partition_id is None or site.data_path:
@@ -360,7 +393,10 @@ def site_data_parts(
         data = shares[site.partition_id]
     if not site.validation_fraction:
         return data, Subset(data, [])
-    return split_site_data(data, site.validation_fraction, f"{seed}/{site.site_id}/validation")
+    # a site's own data keeps its split across runs; a share of pooled data, the run's seed's
+    own = site.partition_id is None or site.data_path
+    key = f"{site.site_id}/validation" if own else f"{seed}/{site.site_id}/validation"
+    return split_site_data(data, site.validation_fraction, key)
 
 
 def pooled_shares(

@@ -48,6 +48,10 @@ CLIPPED_SUMS = "clipped-sums"  # site -> server (central): "embedding" (k,), "re
 MODEL_DELTA = "model-delta"  # site -> server (client-side): noisy delta per parameter
 REPLY_META = "reply-meta"  # site -> server: protocol, round, mode
 REPLY_METRICS = "metrics"  # site -> server: counts of bytes, steps, epsilon (data-free)
+# A score of the served model on the sites' held-out examples (a query, after the rounds):
+SCORE_REQUEST = "score-request"  # server -> site: protocol, classes (with GLOBAL_MODEL)
+SITE_SCORE = "site-score"  # site -> server: "counts", (2, classes) float64, noised by the site
+MAX_SCORE_CLASSES = 100_000
 
 # Largest array a reply may declare, in elements; anything bigger is rejected unread.
 MAX_ELEMENTS = 200_000_000
@@ -70,6 +74,8 @@ REFUSALS = {
     "unpinned peer": 608,
     # distributed mode: the round splits the noise into other than the site's noise-shares
     "other noise split": 609,
+    # a score query to a site whose node config releases no score (no score-noise)
+    "release not allowed": 610,
 }
 
 
@@ -314,6 +320,36 @@ def check_reply_meta(meta: Mapping, sender: str, round_: int, mode: str) -> None
 
 def reply_meta(round_: int, mode: str) -> dict:
     return {"protocol": PROTOCOL_VERSION, "round": round_, "mode": mode}
+
+
+# -- the sites' validation score ---------------------------------------------------------------
+
+
+def score_request(classes: int) -> dict:
+    """The query's config: the protocol and the classes the served model scores (public)."""
+    return {"protocol": PROTOCOL_VERSION, "classes": classes}
+
+
+def check_score_request(record: Mapping, sender: str = "server") -> int:
+    """A score query's number of classes, validated."""
+    _check_protocol(sender, SCORE_REQUEST, record.get("protocol"))
+    classes = record.get("classes")
+    if isinstance(classes, bool) or not isinstance(classes, int):
+        raise WireError(sender, f"{SCORE_REQUEST}.classes", f"{classes!r} is not an integer")
+    if not 2 <= classes <= MAX_SCORE_CLASSES:
+        raise WireError(sender, f"{SCORE_REQUEST}.classes", f"{classes} not in [2, 100000]")
+    return classes
+
+
+def encode_counts(counts: np.ndarray) -> dict[str, np.ndarray]:
+    return {"counts": np.asarray(counts, dtype=np.float64)}
+
+
+def decode_counts(arrays: Mapping[str, WireArray], sender: str, classes: int) -> np.ndarray:
+    """A site's noised (2, classes) counts: exactly that array, finite."""
+    counts = _read_array(sender, SITE_SCORE, arrays, "counts", (2, classes), ("float64",))
+    _no_extra(sender, SITE_SCORE, arrays, {"counts"})
+    return counts
 
 
 # -- basis ---------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from gep_fed.federation.secure_sum import (
     check_keys,
     masked_vector,
 )
-from gep_fed.federation.site import Site, resolve_device, site_dataset
+from gep_fed.federation.site import Site, resolve_device, site_data_parts
 from gep_fed.flower.secure_sum import (
     ADVERTISE,
     COLLECT,
@@ -95,12 +95,12 @@ def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | 
         if simulated:
             task, max_chunk = fed.make_task(), fed.max_chunk
             torch.manual_seed(fed.seed)  # the replica's initial weights are overwritten anyway
-            data = site_dataset(
+            data, held = site_data_parts(
                 task, cfg, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
             )
         else:
             task, max_chunk = cfg.make_task(), cfg.max_chunk
-            data = task.site_dataset(cfg.data_path)
+            data, held = site_data_parts(task, cfg)
         site = Site(
             cfg.site_id,
             task.build_model(),
@@ -112,6 +112,7 @@ def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | 
             max_chunk=max_chunk,
             num_workers=cfg.num_workers,
             augmentation=task.augmentation(),
+            validation=held if cfg.validation_fraction else None,
         )
         _SITES[key] = (site, cfg)
     site, cfg = _SITES[key]
@@ -300,6 +301,62 @@ def _checked_keys(
     return held["private"], own, keys
 
 
+def _score(
+    msg: Message, context: Context, fed: FederationConfig | None, simulation: Mapping | None
+) -> Message:
+    """The served model's noised per-class counts on the site's held-out examples, if the
+    site's node config releases a score (``Site.score_counts``)."""
+    admit_task(context, fed)
+    record = msg.content.config_records.get(wire.SCORE_REQUEST)
+    if record is None:
+        raise wire.RoundRefused("malformed round")
+    classes = wire.check_score_request(record)
+    site = _site(context, fed, simulation)
+    state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
+    site.load_state(state)
+    counts = site.score_counts(classes)
+    content = RecordDict({wire.SITE_SCORE: _arrays(wire.encode_counts(counts))})
+    return Message(content=content, reply_to=msg)
+
+
+def handle_query(
+    msg: Message,
+    context: Context,
+    fed: FederationConfig | None = None,
+    simulation: Mapping | None = None,
+) -> Message:
+    """A score query at this site. Never raises: a refusal or failure is a reply with a
+    fixed reason code, its detail logged here only."""
+    try:
+        reply = _score(msg, context, fed, simulation)
+        _note_simulated_outcome(msg, context, fed, simulation, "accepted", None, "score")
+        return reply
+    except Exception as err:
+        reason, cause = _refusal_reason(err, context)
+    _note_simulated_outcome(msg, context, fed, simulation, reason, cause, "score")
+    return refusal(msg, reason)
+
+
+def _refusal_reason(err: Exception, context: Context) -> tuple[str, str | None]:
+    """The fixed reason a failure is refused with, and its cause for a simulated site's
+    record; logged here, at the site."""
+    if isinstance(err, SecureSumRefused):
+        log.warning("secure sum refused: %s", err)
+        return err.reason, f"secure sum: {err.detail}"
+    if isinstance(err, wire.RoundRefused):
+        log.warning("round refused: %s", err.reason)
+        return err.reason, None
+    if isinstance(err, wire.WireError | ConfigError | KeyError):
+        log.warning("round refused as malformed: %s", err)
+        return "malformed round", f"{type(err).__name__}: {err}"
+    cause = f"{type(err).__name__}: {err}"
+    if SiteConfig.is_simulated(context.node_config):  # its cause goes to the summary
+        log.warning("round failed at this simulated site: %s", cause)
+    else:
+        log.error("round failed at this site (nothing of this is sent to the server)", exc_info=err)
+    return "site error", cause
+
+
 def handle_train(
     msg: Message,
     context: Context,
@@ -319,21 +376,8 @@ def handle_train(
         reply = _train(msg, context, fed, simulation)
         _note_simulated_outcome(msg, context, fed, simulation, "accepted", None)
         return reply
-    except SecureSumRefused as refused:
-        reason, cause = refused.reason, f"secure sum: {refused.detail}"
-        log.warning("secure sum refused: %s", refused)
-    except wire.RoundRefused as refused:
-        reason, cause = refused.reason, None
-        log.warning("round refused: %s", reason)
-    except (wire.WireError, ConfigError, KeyError) as err:
-        reason, cause = "malformed round", f"{type(err).__name__}: {err}"
-        log.warning("round refused as malformed: %s", err)
     except Exception as err:
-        reason, cause = "site error", f"{type(err).__name__}: {err}"
-        if SiteConfig.is_simulated(context.node_config):  # its cause goes to the summary
-            log.warning("round failed at this simulated site: %s", cause)
-        else:
-            log.exception("round failed at this site (nothing of this is sent to the server)")
+        reason, cause = _refusal_reason(err, context)
     _note_simulated_outcome(msg, context, fed, simulation, reason, cause)
     return refusal(msg, reason)
 
@@ -345,6 +389,7 @@ def _note_simulated_outcome(
     simulation: Mapping | None,
     outcome: str,
     cause: str | None,
+    stage: str = "round",
 ) -> None:
     """A simulated site's round, with the cause of a refusal, in its folder of the run
     directory (``sites/<site>/rounds.jsonl``), for the local user who runs every site of a
@@ -359,6 +404,8 @@ def _note_simulated_outcome(
         site = str(node.get("site-id") or simulated_site_name({**(simulation or {}), **node}))
         record = msg.content.config_records.get(wire.ROUND_CONFIG, {})
         row = {"round": record.get("round"), "node": context.node_id, "outcome": outcome}
+        if stage != "round":  # a score query: no round of its own
+            row["stage"] = stage
         if cause is not None:
             row["cause"] = cause
         (folder / site).mkdir(parents=True, exist_ok=True)
@@ -387,5 +434,9 @@ def make_client_app(
     @client.train()
     def train(msg: Message, context: Context) -> Message:
         return handle_train(msg, context, fed, simulation)
+
+    @client.query()
+    def query(msg: Message, context: Context) -> Message:
+        return handle_query(msg, context, fed, simulation)
 
     return client

@@ -1,8 +1,8 @@
 """Flower's Grid as the round loop's grid (``gep_fed.federation.rounds.RoundGrid``).
 
-A request's records become a train ``Message``'s ``RecordDict`` (arrays as ``Array``, in the
-same order), and a reply ``Message`` becomes a ``Reply`` (its records as they came, or its
-error code). The payload bytes both ways are counted (``MeteredGrid``).
+A request's records become a train (a round) or query (a score) ``Message``'s ``RecordDict``
+(arrays as ``Array``, in the same order), and a reply ``Message`` becomes a ``Reply`` (its
+records as they came, or its error code). The payload bytes both ways are counted (``MeteredGrid``).
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ def record_dict(content: Envelope) -> RecordDict:
 
 
 def message(request: Request, group_id: str | None = None) -> Message:
-    """A request as a train message to its node."""
+    """A request as a train (a round) or query (a score) message to its node."""
     return Message(
         content=record_dict(request.content),
-        message_type=MessageType.TRAIN,
+        message_type=MessageType.QUERY if request.kind == "query" else MessageType.TRAIN,
         dst_node_id=request.node,
         group_id=group_id,
     )

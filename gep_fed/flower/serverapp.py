@@ -18,6 +18,7 @@ from gep_fed.federation.rundir import (
     read_site_rounds,
     rounds_not_applied,
 )
+from gep_fed.flower.grid import FlowerGrid
 from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
 from gep_fed.flower.strategy import GEPStrategy
 
@@ -70,6 +71,7 @@ def make_server_app(
     on_round=None,
     on_done=None,
     stop: StopRequest | None = None,
+    score_sites: bool = False,
 ) -> ServerApp:
     """A ServerApp for ``fed``, or (None) for the run config of the run it serves.
 
@@ -82,7 +84,10 @@ def make_server_app(
 
     ``stop``: a stop request (the first Ctrl-C of ``gep-fed simulate``) that ends the run
     between rounds (``gep_fed.flower.interrupt``). Without one, Flower's exit handlers
-    (``flwr stop``, SIGTERM to the run's process) request the stop."""
+    (``flwr stop``, SIGTERM to the run's process) request the stop.
+
+    ``score_sites``: after the last round, ask the sites to score the served model on the
+    examples they hold out (``RoundLoop.score_sites``; ``gep-fed tune --site-validation``)."""
     server_app = ServerApp()
 
     @server_app.main()
@@ -107,6 +112,8 @@ def make_server_app(
             if not config.run_name:
                 resume += f" with run-name {run.path.name!r}"
             interrupted = RunInterrupted(strategy.server.completed_rounds, resume)
+        if score_sites and interrupted is None and strategy.server.completed_rounds:
+            strategy.loop.score_sites(FlowerGrid(grid), config.round_timeout)
         outcome = RunOutcome(strategy, done, interrupted)
         _record_outcome(strategy, interrupted)
         if on_done is not None:

@@ -205,6 +205,7 @@ def simulate(
     drop_bad_examples: bool = False,
     engine: str = "ray",
     site_settings: Mapping[str, object] | None = None,
+    score_sites: bool = False,
 ) -> SimulationResult:
     """Run ``fed`` with ``fed.num_sites`` virtual sites; returns the run directory and metrics.
 
@@ -229,6 +230,9 @@ def simulate(
     ``site_settings``: the simulated sites' own settings (node-config keys such as
     ``epsilon-budget`` or ``ledger-dir``) over ``simulated_site_settings``' (``gep-fed tune``
     keeps every trial's site ledgers in one folder, each site's budget the tuning's total).
+    ``score_sites``: after the last round, the sites score the final model on the examples
+    they hold out (their ``validation-fraction`` and ``score-noise``), into the run
+    directory's ``site_score.json``.
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
@@ -275,7 +279,12 @@ def simulate(
         with warnings.catch_warnings(), _first_interrupt_stops(stop, committed, resume):
             warnings.simplefilter("ignore", DeprecationWarning)
             server_app = make_server_app(
-                fed, progress, on_committed, on_done=lambda o: done.update(outcome=o), stop=stop
+                fed,
+                progress,
+                on_committed,
+                on_done=lambda o: done.update(outcome=o),
+                stop=stop,
+                score_sites=score_sites,
             )
             sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
             client_app = make_client_app(fed, sites)

@@ -47,7 +47,6 @@ from gep_fed.accounting.ledger import (
     PrivacyLedger,
     create_ledger_key,
     default_key_path,
-    default_mark_path,
     read_ledger_key,
 )
 from gep_fed.federation.config import FederationConfig
@@ -56,6 +55,7 @@ from gep_fed.federation.rundir import (
     BEST_MODEL,
     MODEL,
     SITE_ROUNDS,
+    SITE_SCORE,
     round_spans,
     rounds_not_applied,
 )
@@ -70,7 +70,6 @@ from gep_fed.federation.tuning import (
 )
 from gep_fed.files import write_bytes_atomically
 from gep_fed.flower.interrupt import RunInterrupted
-from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.validation import ConfigError
 
 TUNE_FORMAT = "gep-fed-tune/1"
@@ -246,62 +245,38 @@ def _trained_examples(
     )
 
 
-def _site_score(
-    config: TuneConfig,
+def _site_metrics(run_dir: Path) -> dict[str, float]:
+    """The sites' noised score of a run's final model (``RoundLoop.score_sites``), if any."""
+    path = run_dir / SITE_SCORE
+    record = json.loads(path.read_text()) if path.exists() else {}
+    return {k.removeprefix("site_val_"): v for k, v in record.items() if k.startswith("site_val_")}
+
+
+def _exact_site_score(
     fed: FederationConfig,
     site_settings: Mapping[str, object],
     options: Mapping[str, object],
     run_dir: Path,
-    private: bool = True,
-) -> tuple[dict[str, float], dict[str, str]]:
-    """Score a finished trial on the simulated sites' held-out examples: each site records
-    its release in its ledger (refusing it beyond its budget), then releases its per-class
-    counts with its own Gaussian noise; the sum gives the score. Returns (score metrics,
-    {site: why} for each site that refused). ``private=False``: the exact counts, nothing
-    recorded (the non-private reference only, OUTSIDE THE GUARANTEE)."""
+) -> dict[str, float]:
+    """The non-private reference's score (OUTSIDE THE GUARANTEE): the final model's exact
+    counts on the simulated sites' held-out examples, computed here, where the simulation's
+    data are, released by no site and recorded in no ledger."""
     from gep_fed.federation.site import site_validation_data
-    from gep_fed.federation.site_score import (
-        class_counts,
-        model_classes,
-        noisy_counts,
-        score_from_counts,
-    )
+    from gep_fed.federation.site_score import class_counts, model_classes, score_from_counts
 
     task = fed.make_task()
     model = task.build_model()
     saved = torch.load(run_dir / MODEL, map_location="cpu", weights_only=True)
-    model.load_state_dict(saved["model"])  # the model the trial ends with (EMA, if it keeps one)
+    model.load_state_dict(saved["model"])  # the model the run ends with (EMA, if it keeps one)
     classes = model_classes(model, task.public_dataset()[0][0])
-    total, refused = None, {}
+    total = None
     for site in _simulated_sites(fed, site_settings, options):
         held = site_validation_data(
             task, site, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
         )
-        if not private:
-            counts = class_counts(model, held, task.kind, classes)
-            total = counts if total is None else total + counts
-            continue
-        key = read_ledger_key(site.ledger_key_path)
-        ledger = PrivacyLedger.open(
-            site.ledger_path,
-            site.policy.delta,
-            site.policy.epsilon_budget,
-            site.site_id,
-            key=key,
-            mark_path=default_mark_path(Path(site.ledger_key_path)),
-        )
-        try:  # recorded before it is computed, as every release
-            ledger.record(config.site_score.event(site.site_id))
-        except BudgetExceededError as err:
-            refused[site.site_id] = f"over budget for its score: {err}"
-            continue
         counts = class_counts(model, held, task.kind, classes)
-        noise = NoiseSource(site.policy.noise_seed)
-        released = noisy_counts(counts, config.site_score.noise_std, noise)
-        total = released if total is None else total + released
-    if refused or total is None:
-        return {}, refused
-    return score_from_counts(total), {}
+        total = counts if total is None else total + counts
+    return score_from_counts(total)
 
 
 def _site_epsilons(folder: Path) -> dict[str, dict[str, float]]:
@@ -325,10 +300,13 @@ def _run_trial(
     fed: FederationConfig,
     site_settings: Mapping[str, object] | None,
     simulate_options: Mapping[str, object],
+    score_sites: bool = False,
 ):
     from gep_fed.flower import simulation
 
     options = {"progress": False, **simulate_options}
+    if score_sites:  # the sites score the final model on their held-out examples
+        options["score_sites"] = True
     if site_settings is None:
         return simulation.simulate(fed, **options)
     return simulation.simulate(fed, site_settings=site_settings, **options)
@@ -405,14 +383,18 @@ def tune(
         ledgers = sites_dir if fixed else Path(fed.run_directory("")) / "sites"
         before = _site_rows(ledgers)
         try:
-            sim = _run_trial(fed, site_settings, options)
+            sim = _run_trial(fed, site_settings, options, config.site_score is not None)
         except RunInterrupted as stop:
             raise TuneInterrupted(f"trial {n} of {len(plan)}", stop.completed_round, out) from None
         rows = _rows_since(ledgers, before)
         over = {
-            s: [r["round"] for r in rs if r["outcome"] == "over budget"] for s, rs in rows.items()
+            s: [r["round"] for r in rs if r["outcome"] == "over budget" and "stage" not in r]
+            for s, rs in rows.items()
         }
         refused = {s: f"over budget in round(s) {round_spans(r)}" for s, r in over.items() if r}
+        for site, rs in rows.items():  # a score beyond the budget: after the rounds it allowed
+            if any(r.get("stage") == "score" and r["outcome"] == "over budget" for r in rs):
+                refused.setdefault(site, "over budget for its score")
         score, best_round = _best(sim.metrics)
         problems = [
             f"{site}: {r['outcome']}" + (f" ({r['cause']})" if r.get("cause") else "")
@@ -421,15 +403,9 @@ def tune(
             if r["outcome"] not in ("accepted", "over budget")
         ]
         not_applied = rounds_not_applied(sim.metrics)
-        ran = not (refused or sim.stop_reason or not_applied or problems)
-        if config.site_score is not None:  # the final model, on the sites' held-out examples
-            score, best_round = None, None
-            if ran and (Path(sim.run_dir) / MODEL).exists():
-                site_metrics, refused = _site_score(
-                    config, fed, site_settings, options, Path(sim.run_dir)
-                )
-                score = validation_score(site_metrics)
-                best_round = sim.metrics[-1]["round"] if score is not None else None
+        if config.site_score is not None:  # the final model, by the sites' noised counts
+            score = validation_score(_site_metrics(Path(sim.run_dir)))
+            best_round = sim.metrics[-1]["round"] if score is not None else None
         if refused:
             status, problem = "refused", None
         elif sim.stop_reason or not_applied or problems or score is None:
@@ -513,7 +489,10 @@ def _trial_site_settings(config: TuneConfig, sites_dir: Path, epsilon: float) ->
     if config.random_trials is None:
         held_out = {}
         if config.site_score is not None:
-            held_out = {"validation-fraction": config.site_score.fraction}
+            held_out = {
+                "validation-fraction": config.site_score.fraction,
+                "score-noise": config.site_score.noise_std,
+            }
         return {
             "epsilon-budget": config.total_epsilon,
             "delta": config.total_delta,
@@ -634,7 +613,7 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
         score, best_round = _best(sim.metrics)
         ok = not (sim.stop_reason or rounds_not_applied(sim.metrics))
         if held_out is not None and ok:
-            exact, _ = _site_score(config, fed, held_out, options, Path(sim.run_dir), False)
+            exact = _exact_site_score(fed, held_out, options, Path(sim.run_dir))
             score, best_round = validation_score(exact), sim.metrics[-1]["round"]
         ok = ok and score is not None
         runs.append(
