@@ -3,9 +3,10 @@
 What leaves the site: the clipped sums (central mode, only if the site's policy accepts it),
 the noisy model delta (client-side mode), or, in distributed mode and only at the secure
 sum's collect stage (``gep_fed.federation.secure_sum``), the site's masked noised share, after
-it has checked every listed key against its pinned peers, plus data-free
-metrics (bytes received, basis
-id, steps, the site's epsilon, which depends on public parameters only). A raw training loss
+it has checked every listed key against its pinned peers, plus data-free metrics (bytes
+received, basis id, steps, the site's epsilon, which depends on public parameters only). To a
+score query, only where the site's node config allows a score: its noised per-class counts on
+its held-out examples (``Site.score_counts``), in its ledger first. A raw training loss
 leaves only when the *site's* policy allows it, under a key that says it is outside the
 guarantee. Every failure becomes a reply with a fixed reason code (``wire.REFUSALS``); the
 detail goes to the site's own log, never to the server.
