@@ -242,3 +242,20 @@ def test_a_run_asks_its_sites_for_a_score_and_names_those_that_release_none(tmp_
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "noised" / "sites" / site / "ledger.json")
         assert ledger.events[-1].mechanism == "site-score"
+
+
+def test_a_finished_run_rerun_does_not_ask_its_sites_again(tmp_path):
+    """Rerunning a finished run (a resumed tuning) trains nothing and releases nothing: its
+    sites were asked for their score once, and their ledgers hold that one answer."""
+    from gep_fed.federation.config import FederationConfig
+    from gep_fed.flower.simulation import simulate
+
+    fed = FederationConfig(
+        num_public=100, num_basis=8, rounds=1, local_steps=1, sample_rate=1.0, num_sites=2,
+        noise_seed=3, run_dir=str(tmp_path), run_name="r",
+    )  # fmt: skip
+    sites = {"validation-fraction": 0.2, "score-noise": 2.0, "epsilon-budget": 16.0}
+    for _ in range(2):
+        simulate(fed, False, engine="in-process", site_settings=sites, score_sites=True)
+    ledger = PrivacyLedger.load_keyed(tmp_path / "r" / "sites" / "site-0" / "ledger.json")
+    assert [e.mechanism for e in ledger.events].count("site-score") == 1

@@ -14,6 +14,7 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import (
     CHECKPOINT,
     OUTCOME,
+    SITE_SCORE,
     RunDirectory,
     read_site_rounds,
     rounds_not_applied,
@@ -112,7 +113,8 @@ def make_server_app(
             if not config.run_name:
                 resume += f" with run-name {run.path.name!r}"
             interrupted = RunInterrupted(strategy.server.completed_rounds, resume)
-        if score_sites and interrupted is None and strategy.server.completed_rounds:
+        scored = run.file(SITE_SCORE).exists()  # a finished run rerun: asked once already
+        if score_sites and interrupted is None and strategy.server.completed_rounds and not scored:
             strategy.loop.score_sites(FlowerGrid(grid), config.round_timeout)
         outcome = RunOutcome(strategy, done, interrupted)
         _record_outcome(strategy, interrupted)
