@@ -21,7 +21,7 @@ from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.metrics import evaluate
 from gep_fed.federation import wire
 from gep_fed.federation.policy import SiteConfig, SitePolicy
-from gep_fed.federation.site import Site, site_dataset, site_validation_data
+from gep_fed.federation.site import Site, site_data_parts, site_dataset
 from gep_fed.federation.site_score import (
     SiteScore,
     class_counts,
@@ -71,18 +71,16 @@ def test_the_score_release_is_dp_accountings_gaussian_of_multiplier_std_over_sqr
     assert epsilon_pld([event], delta) == pytest.approx(pld.get_epsilon(delta), rel=1e-3)
 
 
-def test_an_examples_coin_does_not_depend_on_the_others():
-    """Each example's coin is drawn in order from a public key: adding an example leaves
-    every other example where it was (training or held out)."""
-    a, b = (
-        held_out_mask(500, 0.2, "0/site-1/validation"),
-        held_out_mask(501, 0.2, "0/site-1/validation"),
-    )
-    assert torch.equal(a, b[:500])
-    assert 0.15 < a.float().mean() < 0.25
-    assert not torch.equal(a, held_out_mask(500, 0.2, "0/site-2/validation"))
+def test_the_coins_are_secret_and_fresh_for_each_run():
+    """From the OS's CSPRNG: two runs hold out different examples, at the declared rate;
+    only a test's seed repeats them (and then one example added leaves the others' coins)."""
+    a, b = held_out_mask(2000, 0.2), held_out_mask(2000, 0.2)
+    assert not torch.equal(a, b)
+    assert 0.17 < a.float().mean() < 0.23 and 0.17 < b.float().mean() < 0.23
+    assert torch.equal(held_out_mask(500, 0.2, 7), held_out_mask(501, 0.2, 7)[:500])
+    assert held_out_mask(1000, 0.999999).float().mean() > 0.99
     with pytest.raises(ConfigError, match=r"validation fraction must be in \(0, 1\)"):
-        held_out_mask(10, 1.0, "k")
+        held_out_mask(10, 1.0)
 
 
 def test_a_simulated_site_never_trains_on_its_held_out_examples():
@@ -93,20 +91,17 @@ def test_a_simulated_site_never_trains_on_its_held_out_examples():
         "/tmp/unused",
     )
     assert site.validation_fraction == 0.25
-    train = site_dataset(task, site, 3, "iid", 0.5, 0)
-    held = site_validation_data(task, site, 3, "iid", 0.5, 0)
-    whole = site_dataset(
-        task, SiteConfig(site.site_id, site.policy, partition_id=1), 3, "iid", 0.5, 0
-    )
-    trained = {whole.indices[i] for i in train.indices}
-    kept_out = {whole.indices[i] for i in held.indices}
-    assert not trained & kept_out and trained | kept_out == set(whole.indices)
-    assert 0.15 < len(kept_out) / len(whole) < 0.35
+    train, held = site_data_parts(task, site, 3, "iid", 0.5, 0)
+    whole = site_dataset(task, site, 3, "iid", 0.5, 0)
+    assert train.dataset.indices == whole.indices == held.dataset.indices  # the site's share
+    assert not set(train.indices) & set(held.indices)
+    assert sorted(train.indices + held.indices) == list(range(len(whole)))
+    assert 0.15 < len(held) / len(whole) < 0.35
     with pytest.raises(ConfigError, match="validation-fraction must be in"):
         SiteConfig.from_node_config({"partition-id": 0}, {"validation-fraction": 1.5})
 
 
-def test_a_deployed_site_keeps_its_split_across_runs_and_sets_its_own_noise():
+def test_a_deployed_site_sets_its_own_held_out_share_and_noise():
     node = {"task": "digits", "data-path": "x", "ledger-path": "l", "delta": 1e-5}
     node = {**node, "site-id": "a", "epsilon-budget": 8.0}
     site = SiteConfig.from_node_config({**node, "validation-fraction": 0.2, "score-noise": 3.0})
@@ -118,7 +113,7 @@ def test_a_deployed_site_keeps_its_split_across_runs_and_sets_its_own_noise():
 
 def scoring_site(tmp_path, budget: float = 8.0, score_noise: float | None = 2.0) -> Site:
     data = small_data(60)
-    train, held = split_site_data(data, 0.25, "site-a/validation")
+    train, held = split_site_data(data, 0.25, 5)
     policy = SitePolicy(budget, 1e-5, score_noise=score_noise, noise_seed=4)
     ledger = PrivacyLedger(1e-5, budget, "site-a", tmp_path / "ledger.json")
     return Site("site-a", small_classifier(), train, policy, ledger=ledger, validation=held)
@@ -211,7 +206,7 @@ def test_a_bad_site_score_is_named():
 
 def test_split_site_data_keeps_every_example_once():
     data = small_data(100)
-    train, held = split_site_data(data, 0.3, "k")
+    train, held = split_site_data(data, 0.3)
     assert sorted(train.indices + held.indices) == list(range(100))
 
 

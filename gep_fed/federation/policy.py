@@ -102,8 +102,9 @@ NODE_CONFIG_KEYS = {
     "allow-no-noise": "accept rounds without noise: no privacy, no budget (tests only; false)",
     "device": "auto (cuda when available), cpu or cuda",
     "num-workers": "DataLoader worker processes that decode the sampled examples (0)",
-    "validation-fraction": "share of the site's examples it holds out (each by its own coin, "
-    "never trained on) to score a model when asked (gep-fed tune --site-validation); 0: none",
+    "validation-fraction": "share of the site's examples it holds out (each by a secret coin "
+    "drawn afresh each run, never trained on in that run) to score a model when asked "
+    "(gep-fed tune --site-validation); 0: none",
     "score-noise": "the std of the Gaussian noise this site adds to each count of a score "
     "(one release per query, in its ledger); without it the site releases no score",
 }

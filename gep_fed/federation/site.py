@@ -358,19 +358,17 @@ def _first_langevin_step(rc: RoundConfig) -> int:
 def site_dataset(
     task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
 ) -> Dataset:
-    """The site's private training data: its own file (a deployed site, the path from its
-    node config; a simulated site given its own data), or its share of the task's pooled
-    data (a simulated site); less the examples it holds out for its validation score
-    (``site_validation_data``)."""
-    return site_data_parts(task, site, num_sites, partition, alpha, seed)[0]
-
-
-def site_validation_data(
-    task: Task, site: SiteConfig, num_sites: int, partition: str, alpha: float, seed: int
-) -> Dataset:
-    """The examples a simulated site holds out for its noised validation score (its
-    ``validation-fraction``; empty when 0), never in its training data."""
-    return site_data_parts(task, site, num_sites, partition, alpha, seed)[1]
+    """The site's private data: its own file (a deployed site, the path from its node
+    config; a simulated site given its own data), or its share of the task's pooled data
+    (a simulated site)."""
+    if site.partition_id is None or site.data_path:
+        return task.site_dataset(site.data_path)
+    shares = pooled_shares(task, num_sites, partition, alpha, seed)
+    if not (0 <= site.partition_id < len(shares)):
+        raise ConfigError(
+            f"partition-id {site.partition_id} is out of range for {len(shares)} sites"
+        )
+    return shares[site.partition_id]
 
 
 def site_data_parts(
@@ -381,22 +379,13 @@ def site_data_parts(
     alpha: float = 0.0,
     seed: int = 0,
 ) -> tuple[Dataset, Dataset]:
-    """(training, held-out) parts of the site's data (see ``site_dataset``)."""
-    if site.partition_id is None or site.data_path:
-        data = task.site_dataset(site.data_path)
-    else:
-        shares = pooled_shares(task, num_sites, partition, alpha, seed)
-        if not (0 <= site.partition_id < len(shares)):
-            raise ConfigError(
-                f"partition-id {site.partition_id} is out of range for {len(shares)} sites"
-            )
-        data = shares[site.partition_id]
+    """(training, held-out) parts of the site's data (``site_dataset``): the examples it holds
+    out to score models on (its ``validation-fraction``), by secret coins drawn afresh for
+    this run (seeded only by a simulated site's ``noise-seed``, for tests); none when 0."""
+    data = site_dataset(task, site, num_sites, partition, alpha, seed)
     if not site.validation_fraction:
         return data, Subset(data, [])
-    # a site's own data keeps its split across runs; a share of pooled data, the run's seed's
-    own = site.partition_id is None or site.data_path
-    key = f"{site.site_id}/validation" if own else f"{seed}/{site.site_id}/validation"
-    return split_site_data(data, site.validation_fraction, key)
+    return split_site_data(data, site.validation_fraction, site.policy.noise_seed)
 
 
 def pooled_shares(

@@ -1,9 +1,9 @@
 """A site's noised validation score: how a model is scored without a server's own
 validation data (``gep-fed tune --site-validation``).
 
-A site that agrees holds out a share of its examples, each by its own coin (public
-randomness, independent of the data: a neighbouring data set differs in one example, which
-lands in the training part or the held-out part, never both). After a trial, it counts, per
+A site that agrees holds out a share of its examples, each by its own secret coin, drawn
+afresh for each run (independent of the data: a neighbouring data set differs in one example,
+which lands in the training part or the held-out part, never both). After a trial, it counts, per
 class, its held-out examples and those the model predicts right, adds Gaussian noise of its
 own standard deviation to each count, and releases the counts. One example changes its
 class's two counts by at most one each: L2 sensitivity sqrt(2), so the release is a Gaussian
@@ -14,8 +14,8 @@ from them: post-processing.
 
 from __future__ import annotations
 
-import hashlib
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,19 +32,29 @@ SCORE_RELEASE = "site-score"  # the ledger's name for the release
 SENSITIVITY = math.sqrt(2.0)  # one example: its class's held-out count and right count
 
 
-def held_out_mask(n: int, fraction: float, key: str) -> torch.Tensor:
+def held_out_mask(n: int, fraction: float, seed: int | None = None) -> torch.Tensor:
     """Which of ``n`` examples a site holds out: an independent coin of probability
-    ``fraction`` per example, drawn in order from a generator keyed by ``key`` (public: the
-    run's seed and the site's name), so example i's coin does not depend on the others."""
+    ``fraction`` per example, from the OS's CSPRNG (``seed``: a generator seeded for tests,
+    never in a real run).
+
+    Secret and fresh: the guarantee couples a neighbouring data set's coins example by
+    example, which holds for coins no one can predict. Coins fixed by a known key would
+    follow the examples' positions, and one example inserted would move every later one
+    between the parts."""
     if not 0 < fraction < 1:
         raise ConfigError(f"validation fraction must be in (0, 1), got {fraction!r}")
-    seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < fraction
+    if seed is not None:
+        return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < fraction
+    words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    threshold = np.uint64(int(fraction * 2**53) << 11)  # fraction to 53 bits, below 2**64
+    return torch.from_numpy(words < threshold)
 
 
-def split_site_data(dataset: Dataset, fraction: float, key: str) -> tuple[Subset, Subset]:
-    """The site's (training, held-out) parts (``held_out_mask``)."""
-    mask = held_out_mask(len(dataset), fraction, key)
+def split_site_data(
+    dataset: Dataset, fraction: float, seed: int | None = None
+) -> tuple[Subset, Subset]:
+    """The site's (training, held-out) parts (``held_out_mask``), drawn once per run."""
+    mask = held_out_mask(len(dataset), fraction, seed)
     held = torch.nonzero(mask).flatten().tolist()
     kept = torch.nonzero(~mask).flatten().tolist()
     return Subset(dataset, kept), Subset(dataset, held)

@@ -415,7 +415,7 @@ def calibrate_selection_epsilon(
 
 def calibrate_plan(planner: TrialPlanner, plan: Sequence[int], tol: float) -> tuple[float, float]:
     total = planner.config.total_epsilon
-    if len(plan) == 1:  # one trial: the whole budget (its sigma is calibrated to it)
+    if len(plan) == 1 and planner.config.site_score is None:  # the whole budget, its sigma's
         return total, planner.composed(plan, total)
     return _calibrate(
         lambda e: planner.composed(plan, e),

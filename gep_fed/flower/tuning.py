@@ -37,8 +37,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from gep_fed.accounting.events import (
     PrivacyEvent,
 )
@@ -233,16 +231,18 @@ def _simulated_sites(
 def _trained_examples(
     fed: FederationConfig, site_settings: Mapping[str, object], options: Mapping[str, object]
 ) -> int:
-    """N of central mode's estimate when the sites hold examples out: their training parts'
-    total (the coins are public, and N is treated as public), so the estimate stays
-    unbiased."""
+    """N of central mode's estimate when the sites hold examples out: the expected size of
+    their training parts (N is treated as public; the coins are the sites' secret), so the
+    estimate stays unbiased."""
     from gep_fed.federation.site import site_dataset
 
     task = fed.make_task()
-    return sum(
+    sites = _simulated_sites(fed, site_settings, options)
+    total = sum(
         len(site_dataset(task, site, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed))
-        for site in _simulated_sites(fed, site_settings, options)
+        for site in sites
     )
+    return round(total * (1 - sites[0].validation_fraction))
 
 
 def _site_metrics(run_dir: Path) -> dict[str, float]:
@@ -250,33 +250,6 @@ def _site_metrics(run_dir: Path) -> dict[str, float]:
     path = run_dir / SITE_SCORE
     record = json.loads(path.read_text()) if path.exists() else {}
     return {k.removeprefix("site_val_"): v for k, v in record.items() if k.startswith("site_val_")}
-
-
-def _exact_site_score(
-    fed: FederationConfig,
-    site_settings: Mapping[str, object],
-    options: Mapping[str, object],
-    run_dir: Path,
-) -> dict[str, float]:
-    """The non-private reference's score (OUTSIDE THE GUARANTEE): the final model's exact
-    counts on the simulated sites' held-out examples, computed here, where the simulation's
-    data are, released by no site and recorded in no ledger."""
-    from gep_fed.federation.site import site_validation_data
-    from gep_fed.federation.site_score import class_counts, model_classes, score_from_counts
-
-    task = fed.make_task()
-    model = task.build_model()
-    saved = torch.load(run_dir / MODEL, map_location="cpu", weights_only=True)
-    model.load_state_dict(saved["model"])  # the model the run ends with (EMA, if it keeps one)
-    classes = model_classes(model, task.public_dataset()[0][0])
-    total = None
-    for site in _simulated_sites(fed, site_settings, options):
-        held = site_validation_data(
-            task, site, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
-        )
-        counts = class_counts(model, held, task.kind, classes)
-        total = counts if total is None else total + counts
-    return score_from_counts(total)
 
 
 def _site_epsilons(folder: Path) -> dict[str, dict[str, float]]:
@@ -601,20 +574,26 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
             run_name=f"candidate-{index + 1:03d}",
         )
         held_out = None
-        if config.site_score is not None:  # the same held-out examples as the trials'
-            held_out = {"validation-fraction": config.site_score.fraction}
+        if config.site_score is not None:  # scored as the trials are, within the whole budget
+            whole = calibrate_plan(TrialPlanner(config), [index], CALIBRATION_TOLERANCE)[0]
+            fed = replace(fed, target_epsilon=whole)
+            held_out = {
+                "validation-fraction": config.site_score.fraction,
+                "score-noise": config.site_score.noise_std,
+                "epsilon-budget": config.total_epsilon,
+            }
             if fed.noise_mode.server_steps and fed.total_examples is None:
                 fed = replace(fed, total_examples=_trained_examples(fed, held_out, options))
         try:
-            sim = _run_trial(fed, held_out, options)
+            sim = _run_trial(fed, held_out, options, held_out is not None)
         except RunInterrupted as stop:
             where = f"the reference's candidate {index + 1} of {len(config.candidates)}"
             raise TuneInterrupted(where, stop.completed_round, out) from None
         score, best_round = _best(sim.metrics)
         ok = not (sim.stop_reason or rounds_not_applied(sim.metrics))
-        if held_out is not None and ok:
-            exact = _exact_site_score(fed, held_out, options, Path(sim.run_dir))
-            score, best_round = validation_score(exact), sim.metrics[-1]["round"]
+        if held_out is not None:
+            score = validation_score(_site_metrics(Path(sim.run_dir)))
+            best_round = sim.metrics[-1]["round"] if score is not None else None
         ok = ok and score is not None
         runs.append(
             {
