@@ -30,6 +30,7 @@ from gep_fed.federation.site_score import (
     noisy_counts,
     score_event,
     score_from_counts,
+    score_spread,
     split_site_data,
 )
 from gep_fed.federation.wire import RoundRefused
@@ -254,3 +255,16 @@ def test_a_finished_run_rerun_does_not_ask_its_sites_again(tmp_path):
         simulate(fed, False, engine="in-process", site_settings=sites, score_sites=True)
     ledger = PrivacyLedger.load_keyed(tmp_path / "r" / "sites" / "site-0" / "ledger.json")
     assert [e.mechanism for e in ledger.events].count("site-score") == 1
+
+
+def test_the_score_spread_is_the_noises_own_spread_of_the_balanced_accuracy():
+    """Read from one noisy sum of counts, it matches the spread of the balanced accuracy over
+    many draws of the sites' noise (first order: within a fifth)."""
+    exact = np.array([[60.0, 40.0, 80.0], [45.0, 20.0, 70.0]])
+    draws = [
+        sum(noisy_counts(exact / 3, 2.0, NoiseSource(10 * i + s)) for s in range(3))
+        for i in range(2000)
+    ]
+    spread = np.std([score_from_counts(d)["balanced_accuracy"] for d in draws])
+    assert score_spread(draws[0], 2.0, 3) == pytest.approx(spread, rel=0.2)
+    assert math.isnan(score_spread(np.zeros((2, 3)), 2.0, 3))  # no class counted

@@ -728,6 +728,7 @@ class RoundLoop:
         metrics = {} if total is None else score_from_counts(total)
         record = {
             **{f"site_val_{k}": v for k, v in metrics.items()},
+            "counts": None if total is None else total.tolist(),  # the sum of the releases
             "sites_ok": ok,
             "rejected": rejected,
         }

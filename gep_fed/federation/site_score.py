@@ -105,6 +105,20 @@ def noisy_counts(counts: np.ndarray, noise_std: float, noise: NoiseSource) -> np
     return counts + noise.gaussian(like, noise_std).numpy()
 
 
+def score_spread(counts: np.ndarray, noise_std: float, sites: int) -> float:
+    """About how far the noise alone moves the balanced accuracy of ``counts`` (the sum of
+    ``sites`` sites' noisy counts; one standard deviation, to first order), read from the
+    noisy counts themselves: post-processing. A class's recall r = right / n moves by about
+    ``noise_std * sqrt(sites) * sqrt(1 + r**2) / n``."""
+    total, right = counts[0], np.clip(counts[1], 0, None)
+    present = total >= 1
+    if not present.any():
+        return math.nan
+    n, recall = total[present], np.clip(right[present] / total[present], 0.0, 1.0)
+    per_class = noise_std * math.sqrt(sites) * np.sqrt(1 + recall**2) / n
+    return float(np.sqrt((per_class**2).sum()) / present.sum())
+
+
 def score_from_counts(counts: np.ndarray) -> dict[str, float]:
     """Accuracy and balanced accuracy from summed (noisy) counts: each class's recall is
     its right count over its count, clipped to [0, 1], over the classes whose noisy count

@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from gep_fed.accounting.events import (
     PrivacyEvent,
 )
@@ -93,6 +95,8 @@ class Trial:
     run_dir: str = ""
     refused_by: Mapping[str, str] = field(default_factory=dict)
     problem: str | None = None
+    # The sites' noised score: how far its noise alone moves it (one std, from the counts).
+    score_noise: float | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,17 @@ def _site_metrics(run_dir: Path) -> dict[str, float]:
     return {k.removeprefix("site_val_"): v for k, v in record.items() if k.startswith("site_val_")}
 
 
+def _score_noise(run_dir: Path, noise_std: float) -> float | None:
+    """How far the noise alone moves the sites' score of a run (``score_spread``)."""
+    from gep_fed.federation.site_score import score_spread
+
+    path = run_dir / SITE_SCORE
+    record = json.loads(path.read_text()) if path.exists() else {}
+    if not record.get("counts"):
+        return None
+    return score_spread(np.asarray(record["counts"]), noise_std, record["sites_ok"])
+
+
 def _site_epsilons(folder: Path) -> dict[str, dict[str, float]]:
     out = {}
     for path in sorted(folder.glob("*/ledger.json")):
@@ -369,6 +384,7 @@ def tune(
             if any(r.get("stage") == "score" and r["outcome"] == "over budget" for r in rs):
                 refused.setdefault(site, "over budget for its score")
         score, best_round = _best(sim.metrics)
+        spread = None
         problems = [
             f"{site}: {r['outcome']}" + (f" ({r['cause']})" if r.get("cause") else "")
             for site, rs in rows.items()
@@ -379,6 +395,7 @@ def tune(
         if config.site_score is not None:  # the final model, by the sites' noised counts
             score = validation_score(_site_metrics(Path(sim.run_dir)))
             best_round = sim.metrics[-1]["round"] if score is not None else None
+            spread = _score_noise(Path(sim.run_dir), config.site_score.noise_std)
         if refused:
             status, problem = "refused", None
         elif sim.stop_reason or not_applied or problems or score is None:
@@ -399,6 +416,7 @@ def tune(
             str(sim.run_dir),
             refused,
             problem,
+            spread,
         )
         trials.append(trial)
         head = f"trial {n}/{len(plan)}: candidate {index + 1} ({_settings_text(settings)})"
@@ -409,7 +427,8 @@ def tune(
         elif status == "failed":
             say(f"{head}: FAILED: {problem}")
         else:
-            say(f"{head}: validation score {score:.4f} (round {best_round})")
+            noise = f" +- {spread:.2f} from the sites' noise" if spread is not None else ""
+            say(f"{head}: validation score {score:.4f}{noise} (round {best_round})")
         _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     reference = _reference(config, out, say, options) if config.reference else None
     result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference)
@@ -692,6 +711,13 @@ def _metrics_text(metrics: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()) or "n/a"
 
 
+def _score_text(trial: Trial) -> str:
+    """A trial's score, with how far the sites' noise alone moves it where they scored."""
+    if trial.score_noise is None or trial.validation_score is None:
+        return _fmt(trial.validation_score)
+    return f"{_fmt(trial.validation_score)} +- {trial.score_noise:.2f}"
+
+
 def _score_source(site_score: Mapping[str, float] | None) -> str:
     """Where the validation scores come from, in one line of ``tune.md``."""
     if site_score is None:
@@ -703,7 +729,10 @@ def _score_source(site_score: Mapping[str, float] | None) -> str:
         "Validation score: balanced accuracy of each trial's final model from the sites' "
         f"noised per-class counts on the {site_score['fraction']:g} of their examples they "
         f"hold out (noise std {site_score['noise_std']:g} per count; one Gaussian release "
-        "per site and trial, in its ledger and in the epsilon below)."
+        "per site and trial, in its ledger and in the epsilon below). The +- is about one "
+        "standard deviation of what that noise alone moves the score by, read from the noised "
+        "counts: trials closer than it are not told apart; hold out more, or ask for less "
+        "noise (more budget per score), to tell them apart."
     )
 
 
@@ -758,7 +787,7 @@ def render_markdown(result: TuneResult) -> str:
             status += f": {t.problem}"
         lines.append(
             f"| {t.trial} | {t.candidate} | {_settings_text(t.settings)} | "
-            f"{t.noise_multiplier:.4g} | {status} | {_fmt(t.validation_score)} | "
+            f"{t.noise_multiplier:.4g} | {status} | {_score_text(t)} | "
             f"{_fmt(t.best_round)} |"
         )
     lines.append("")
