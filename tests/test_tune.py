@@ -173,6 +173,14 @@ def test_central_modes_estimate_divides_by_the_examples_the_sites_train_on():
     assert _trained_examples(fed, {}, {}) == pooled
 
 
+def test_site_scores_of_a_multilabel_task_are_refused_before_anything_runs(tmp_path):
+    fed = FederationConfig(**{**NO_VALIDATION, "task": "example_task:TwoFindingsTask"})
+    config = TuneConfig(fed, [{}], out_dir=str(tmp_path / "t"), site_score=SiteScore(0.2, 2.0))
+    with pytest.raises(ConfigError, match=r"is multilabel.*multiclass or binary"):
+        tune(config)
+    assert not (tmp_path / "t").exists()
+
+
 def test_site_scores_need_a_fixed_number_of_trials_and_both_options():
     with pytest.raises(ConfigError, match="give a fixed number of trials"):
         TuneConfig(
@@ -181,8 +189,9 @@ def test_site_scores_need_a_fixed_number_of_trials_and_both_options():
             random_trials=PoissonTrials(2.0),
             site_score=SiteScore(0.2, 2.0),
         )
-    with pytest.raises(ConfigError, match="site setting 'validation-fraction'"):
-        TuneConfig(base(), [{}], site_settings={"validation-fraction": 0.2})
+    for key in ("validation-fraction", "score-noise"):  # the tuning's, from SiteScore
+        with pytest.raises(ConfigError, match=f"site setting '{key}'"):
+            TuneConfig(base(), [{}], site_settings={key: 0.2})
     from gep_fed.cli.tune import site_score
 
     both = argparse.Namespace(site_validation=0.2, score_noise=2.0)

@@ -161,3 +161,7 @@ class SiteScore:
 
     def to_dict(self) -> dict[str, float]:
         return {"fraction": float(self.fraction), "noise_std": float(self.noise_std)}
+
+    def site_settings(self) -> dict[str, float]:
+        """The node-config keys a simulated site scores by."""
+        return {"validation-fraction": self.fraction, "score-noise": self.noise_std}

@@ -75,7 +75,7 @@ FIXED_SETTINGS = {
     "run_name": "the tuning names every trial's run directory",
 }
 # Simulated sites' keys the tuning sets itself: refused in ``TuneConfig.site_settings``.
-_SITE_KEYS_OWNED = ("ledger-dir", "validation-fraction")
+_SITE_KEYS_OWNED = ("ledger-dir", "validation-fraction", "score-noise")
 
 
 def _snake(key: object) -> str:

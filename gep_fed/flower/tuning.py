@@ -203,10 +203,16 @@ def _model_file(run_dir: Path) -> Path | None:
 
 
 def _check_validation(config: TuneConfig) -> None:
-    if config.site_score is not None:
-        return
     fed = config.candidate_config(0)
-    if fed.make_task().validation_dataset() is None:
+    task = fed.make_task()
+    if config.site_score is not None:
+        if task.kind not in ("multiclass", "binary"):
+            raise ConfigError(
+                f"task {fed.task!r} is {task.kind}: the sites' scores count classes, so "
+                "--site-validation needs a multiclass or binary task"
+            )
+        return
+    if task.validation_dataset() is None:
         raise ConfigError(
             f"task {fed.task!r} has no validation data (Task.validation_dataset): tune "
             "selects on the server's own validation data, or on the sites' held-out examples "
@@ -249,22 +255,18 @@ def _trained_examples(
     return round(total * (1 - sites[0].validation_fraction))
 
 
-def _site_metrics(run_dir: Path) -> dict[str, float]:
-    """The sites' noised score of a run's final model (``RoundLoop.score_sites``), if any."""
-    path = run_dir / SITE_SCORE
-    record = json.loads(path.read_text()) if path.exists() else {}
-    return {k.removeprefix("site_val_"): v for k, v in record.items() if k.startswith("site_val_")}
-
-
-def _score_noise(run_dir: Path, noise_std: float) -> float | None:
-    """How far the noise alone moves the sites' score of a run (``score_spread``)."""
+def _site_score_of(run_dir: Path, noise_std: float) -> tuple[float | None, float | None]:
+    """The sites' noised score of a run's final model (``RoundLoop.score_sites``) and how
+    far their noise alone moves it (``score_spread``); (None, None) where none was given."""
     from gep_fed.federation.site_score import score_spread
 
     path = run_dir / SITE_SCORE
     record = json.loads(path.read_text()) if path.exists() else {}
-    if not record.get("counts"):
-        return None
-    return score_spread(np.asarray(record["counts"]), noise_std, record["sites_ok"])
+    metrics = {k.removeprefix("site_val_"): v for k, v in record.items() if k[:9] == "site_val_"}
+    score = validation_score(metrics)
+    if score is None:
+        return None, None
+    return score, score_spread(np.asarray(record["counts"]), noise_std, record["sites_ok"])
 
 
 def _site_epsilons(folder: Path) -> dict[str, dict[str, float]]:
@@ -393,9 +395,8 @@ def tune(
         ]
         not_applied = rounds_not_applied(sim.metrics)
         if config.site_score is not None:  # the final model, by the sites' noised counts
-            score = validation_score(_site_metrics(Path(sim.run_dir)))
+            score, spread = _site_score_of(Path(sim.run_dir), config.site_score.noise_std)
             best_round = sim.metrics[-1]["round"] if score is not None else None
-            spread = _score_noise(Path(sim.run_dir), config.site_score.noise_std)
         if refused:
             status, problem = "refused", None
         elif sim.stop_reason or not_applied or problems or score is None:
@@ -479,12 +480,7 @@ def _trial_site_settings(config: TuneConfig, sites_dir: Path, epsilon: float) ->
     trials, in the tuning's folder, the total as their budget. A random K: each trial within
     its own budget, in ledgers of its own (the trial's run directory)."""
     if config.random_trials is None:
-        held_out = {}
-        if config.site_score is not None:
-            held_out = {
-                "validation-fraction": config.site_score.fraction,
-                "score-noise": config.site_score.noise_std,
-            }
+        held_out = config.site_score.site_settings() if config.site_score else {}
         return {
             "epsilon-budget": config.total_epsilon,
             "delta": config.total_delta,
@@ -597,8 +593,7 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
             whole = calibrate_plan(TrialPlanner(config), [index], CALIBRATION_TOLERANCE)[0]
             fed = replace(fed, target_epsilon=whole)
             held_out = {
-                "validation-fraction": config.site_score.fraction,
-                "score-noise": config.site_score.noise_std,
+                **config.site_score.site_settings(),
                 "epsilon-budget": config.total_epsilon,
             }
             if fed.noise_mode.server_steps and fed.total_examples is None:
@@ -611,7 +606,7 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
         score, best_round = _best(sim.metrics)
         ok = not (sim.stop_reason or rounds_not_applied(sim.metrics))
         if held_out is not None:
-            score = validation_score(_site_metrics(Path(sim.run_dir)))
+            score = _site_score_of(Path(sim.run_dir), config.site_score.noise_std)[0]
             best_round = sim.metrics[-1]["round"] if score is not None else None
         ok = ok and score is not None
         runs.append(
