@@ -391,6 +391,43 @@ def test_a_selection_event_is_dp_accountings_repeat_and_select_in_a_ledger(tmp_p
         Selection(2.0, -0.5)
 
 
+def test_a_selection_whose_runs_release_their_score_composes_it_into_every_run(tmp_path):
+    """A selection scored on private data (the sites' noised counts): each run is its
+    releases and one Gaussian score, composed inside dp-accounting's RepeatAndSelectDpEvent;
+    it costs more than the same selection scored for free, equals the independent bound
+    over the run's curve, and its ledger record (score multiplier included) reads back."""
+    from dataclasses import replace
+
+    from dp_accounting import dp_event
+
+    from gep_fed.accounting.events import Selection
+    from gep_fed.accounting.ledger import PrivacyLedger, create_ledger_key
+
+    dist = TNB.from_mean(1, 3)
+    run = GEP.event(1.5, 0.05, 200)
+    score = PrivacyEvent.gaussian("site-score", 2.0, 1.0, 1, 2.0 / math.sqrt(2))
+    scored = replace(run, selection=Selection(dist.mean, dist.eta, 2.0 / math.sqrt(2)))
+    free = replace(run, selection=Selection(dist.mean, dist.eta))
+    accountant = rdp_lib.RdpAccountant(list(RDP_ORDERS))
+    both = dp_event.ComposedDpEvent([run.dp_event(), dp_event.GaussianDpEvent(2.0 / math.sqrt(2))])
+    accountant.compose(dp_event.RepeatAndSelectDpEvent(both, dist.mean, dist.eta))
+    assert epsilon_rdp([scored], 1e-5) == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    ours = rdp_lib.compute_epsilon(
+        ORDERS, selection_rdp(trial_rdp([run, score]), ORDERS, dist), 1e-5
+    )[0]
+    assert epsilon_rdp([free], 1e-5) < ours <= epsilon_rdp([scored], 1e-5) + 1e-12
+    assert PrivacyEvent.from_dict(scored.to_dict()) == scored
+    assert "score_noise_multiplier" not in free.to_dict()["selection"]  # older records as before
+    key = create_ledger_key(tmp_path / "l.json.key")
+    ledger = PrivacyLedger.open(tmp_path / "l.json", 1e-5, 50.0, "site-0", key=key, create=True)
+    ledger.record(scored)
+    assert PrivacyLedger.load_keyed(tmp_path / "l.json").events == (scored,)
+    with pytest.raises(ValueError, match="score_noise_multiplier"):
+        Selection(2.0, 1.0, -1.0)
+    with pytest.raises(ValueError, match="a selection record holds"):
+        Selection.from_dict({"mean": 2.0, "shape": 1.0, "score": 1.0})
+
+
 # --- sanity figures --------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -164,6 +165,69 @@ def test_a_site_refuses_its_score_beyond_its_budget_and_keeps_its_ledger(tmp_pat
     assert ledger.epsilon() == pytest.approx(epsilon_rdp(rounds, 1e-5))
 
 
+@pytest.mark.slow  # K trials in process (~5 s)
+def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_runs_hold_their_score(
+    tmp_path,
+):
+    """Central mode, a Poisson K (seeded here), no server validation: every site's ledger
+    holds the whole selection as one event whose run is a trial's rounds and its score,
+    equal to dp-accounting's RepeatAndSelectDpEvent of that run and to the independent
+    Papernot & Steinke figure over the candidates' curves (rounds and score); each trial's
+    own site ledgers hold its rounds and one score, within the trial's budget; the sites'
+    noised counts choose."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    from gep_fed.accounting.events import RDP_ORDERS, Selection
+
+    score = SiteScore(0.2, 2.0)
+    config = TuneConfig(
+        FederationConfig(**{**NO_VALIDATION, "mode": "central"}),
+        [{"server-lr": 0.01}, {"server-lr": 2.0}],
+        random_trials=PoissonTrials(2.0),
+        target_epsilon=8.0,
+        out_dir=str(tmp_path / "tune"),
+        site_score=score,
+    )
+    assert config.selection == Selection(2.0, math.inf, 2.0 / 2**0.5)
+    rng = random.Random(5)
+    plan = config.plan(random.Random(5))
+    assert len(plan) >= 2 and set(plan) == {0, 1}  # this seed runs both candidates
+    result = tune(config, rng=rng, simulate_options={"engine": "in-process"})
+    assert [t.status for t in result.trials] == ["finished"] * len(plan)
+    epsilon = result.per_trial_epsilon
+    planner = TrialPlanner(config)
+    event = planner.selection_event(epsilon)
+    rounds = replace(event, selection=None)
+    accountant = rdp_lib.RdpAccountant(list(RDP_ORDERS))
+    run = dp_event.ComposedDpEvent(
+        [rounds.dp_event(), dp_event.GaussianDpEvent(score.event().accounting_noise_multiplier)]
+    )
+    accountant.compose(dp_event.RepeatAndSelectDpEvent(run, 2.0, math.inf))
+    independent = independent_selection_epsilon(config, epsilon)  # its curves hold the scores
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        (recorded,) = ledger.events
+        assert recorded.selection.score_noise_multiplier == pytest.approx(2.0 / 2**0.5)
+        assert ledger.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+        # one candidate's rounds ride on the other's (same rounds, sigma): the bound is exact
+        assert ledger.epsilon() == pytest.approx(independent, rel=1e-6)
+        assert ledger.epsilon() <= 8.0
+    without = TuneConfig(config.base, config.candidates, random_trials=PoissonTrials(2.0))
+    assert ledger.epsilon() > epsilon_rdp([TrialPlanner(without).selection_event(epsilon)], 1e-5)
+    budget = planner.trial_budget(epsilon)
+    for trial in result.trials:  # each trial's own ledgers: its rounds and one score
+        ledger = PrivacyLedger.load_keyed(Path(trial.run_dir) / "sites" / "site-0" / "ledger.json")
+        assert [e.mechanism for e in ledger.events][-1] == "site-score"
+        assert ledger.budget_epsilon == budget and ledger.epsilon() <= budget
+        assert ledger.epsilon() == pytest.approx(
+            epsilon_rdp(planner.trial(trial.candidate - 1, epsilon)[1], 1e-5)
+        )
+    assert result.chosen.candidate == 2  # a step size of 0.01 barely moves the model
+    text = (tmp_path / "tune" / "tune.md").read_text()
+    assert "each run of the selection ends with it" in text
+
+
 def test_central_modes_estimate_divides_by_the_examples_the_sites_train_on():
     from gep_fed.flower.tuning import _trained_examples
 
@@ -181,14 +245,7 @@ def test_site_scores_of_a_multilabel_task_are_refused_before_anything_runs(tmp_p
     assert not (tmp_path / "t").exists()
 
 
-def test_site_scores_need_a_fixed_number_of_trials_and_both_options():
-    with pytest.raises(ConfigError, match="give a fixed number of trials"):
-        TuneConfig(
-            base(mode="central"),
-            [{}],
-            random_trials=PoissonTrials(2.0),
-            site_score=SiteScore(0.2, 2.0),
-        )
+def test_site_scores_need_both_options_and_the_tunings_own_keys():
     for key in ("validation-fraction", "score-noise"):  # the tuning's, from SiteScore
         with pytest.raises(ConfigError, match=f"site setting '{key}'"):
             TuneConfig(base(), [{}], site_settings={key: 0.2})

@@ -116,10 +116,16 @@ class Selection:
         mean: E[K], >= 1.
         shape: ``inf`` for Poisson, otherwise a truncated negative binomial's eta >= 0
             (1: geometric, 0: logarithmic).
+        score_noise_multiplier: each run also releases the score it is selected by, once,
+            as a Gaussian of this noise multiplier (sensitivity 1, no sampling): a run is
+            then its ``steps`` releases and that score, composed (the sites' noised
+            held-out counts of ``gep-fed tune --site-validation``). None: the score is
+            computed without the private data (the server's own validation data).
     """
 
     mean: float
     shape: float
+    score_noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.mean, int | float) and math.isfinite(self.mean)):
@@ -128,15 +134,32 @@ class Selection:
             raise ValueError(f"a selection's mean number of runs must be >= 1, got {self.mean}")
         if not (isinstance(self.shape, int | float) and self.shape >= 0):
             raise ValueError(f"a selection's shape must be >= 0 (inf: Poisson), got {self.shape!r}")
+        if self.score_noise_multiplier is not None:
+            NOISE_MULTIPLIER.check("score_noise_multiplier", self.score_noise_multiplier)
+
+    def run_events(self, run: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+        """One run of the selection: ``run`` (its releases), and its score's release."""
+        if self.score_noise_multiplier is None:
+            return run
+        score = _dp().GaussianDpEvent(self.score_noise_multiplier)
+        return _dp().ComposedDpEvent([run, score])
 
     def to_dict(self) -> dict:
-        return {"mean": self.mean, "shape": "inf" if math.isinf(self.shape) else self.shape}
+        record = {"mean": self.mean, "shape": "inf" if math.isinf(self.shape) else self.shape}
+        if self.score_noise_multiplier is not None:  # only when set: older records unchanged
+            record["score_noise_multiplier"] = self.score_noise_multiplier
+        return record
 
     @classmethod
     def from_dict(cls, data: dict) -> Selection:
-        if not isinstance(data, dict) or set(data) != {"mean", "shape"}:
-            raise ValueError(f"a selection record holds its mean and shape, got {data!r}")
-        return cls(data["mean"], math.inf if data["shape"] == "inf" else data["shape"])
+        keys = {"mean", "shape"}
+        if not isinstance(data, dict) or not keys <= set(data) <= keys | {"score_noise_multiplier"}:
+            raise ValueError(
+                f"a selection record holds its mean and shape (and a score's noise "
+                f"multiplier), got {data!r}"
+            )
+        shape = math.inf if data["shape"] == "inf" else data["shape"]
+        return cls(data["mean"], shape, data.get("score_noise_multiplier"))
 
 
 @dataclass(frozen=True)
@@ -408,7 +431,9 @@ def _composed(
     run = dp.SelfComposedDpEvent(release, steps)
     if selection is None:
         return run
-    return dp.dp_event.RepeatAndSelectDpEvent(run, selection.mean, selection.shape)
+    return dp.dp_event.RepeatAndSelectDpEvent(
+        selection.run_events(run), selection.mean, selection.shape
+    )
 
 
 def _relation(events: Sequence[PrivacyEvent]) -> NeighboringRelation:

@@ -259,7 +259,9 @@ def _ledger_show(args: argparse.Namespace) -> int:
         if e.selection is not None:
             print(
                 f"  {e.steps} of those: a private selection (the best of a random number of "
-                f"runs of {e.steps} step(s), mean {e.selection.mean:.3g}), accounted once"
+                f"runs of {e.steps} step(s)"
+                + (" and a noised score" if e.selection.score_noise_multiplier else "")
+                + f", mean {e.selection.mean:.3g}), accounted once"
             )
     return 0
 

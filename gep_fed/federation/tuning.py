@@ -118,8 +118,9 @@ class TuneConfig:
         site_score: score each trial on the sites' held-out examples, by their noised
             per-class counts (``SiteScore``: one Gaussian release per site and trial, in the
             sites' ledgers and in the planned budget), instead of on the server's own
-            validation data; for a task whose server has none. A fixed number of trials
-            only. None: the server's validation data.
+            validation data; for a task whose server has none. With ``random_trials``,
+            each trial's score is part of the run the selection repeats
+            (``Selection.score_noise_multiplier``). None: the server's validation data.
     """
 
     base: FederationConfig
@@ -148,14 +149,8 @@ class TuneConfig:
             raise ConfigError(f"trials must be an integer >= 1, got {self.trials!r}")
         if self.random_trials is not None:
             self._check_random_trials()
-        if self.site_score is not None:
-            if not isinstance(self.site_score, SiteScore):
-                raise ConfigError(f"site_score must be a SiteScore, got {self.site_score!r}")
-            if self.random_trials is not None:
-                raise ConfigError(
-                    "the sites' noised scores are accounted trial by trial: give a fixed "
-                    "number of trials, or score on the server's validation data"
-                )
+        if self.site_score is not None and not isinstance(self.site_score, SiteScore):
+            raise ConfigError(f"site_score must be a SiteScore, got {self.site_score!r}")
         POSITIVE.check("target_epsilon", self.total_epsilon)
         if not math.isfinite(self.total_epsilon):
             raise ConfigError(f"target_epsilon must be finite, got {self.total_epsilon}")
@@ -203,12 +198,14 @@ class TuneConfig:
 
     @property
     def selection(self) -> Selection | None:
-        """The random number of trials as the sites' ledgers record it (None: a fixed T)."""
+        """The random number of trials as the sites' ledgers record it (None: a fixed T);
+        with site scores, each trial's run ends with its score's release."""
         law = self.random_trials
         if law is None:
             return None
         shape = math.inf if isinstance(law, PoissonTrials) else float(law.eta)
-        return Selection(float(law.mean), shape)
+        score = self.site_score.event().accounting_noise_multiplier if self.site_score else None
+        return Selection(float(law.mean), shape, score)
 
     def record(self) -> dict[str, object]:
         """Everything that decides the tuning, as ``tune.json`` keeps it (a resume must
@@ -325,7 +322,15 @@ class TrialPlanner:
         return self._dimension[index]
 
     def trial(self, index: int, epsilon: float) -> tuple[float, list[PrivacyEvent]]:
-        """(sigma, events) of one trial of candidate ``index`` at budget ``epsilon``."""
+        """(sigma, events) of one trial of candidate ``index`` at budget ``epsilon``: its
+        rounds' releases, then each site's score of its model where the sites score."""
+        sigma, rounds = self.rounds(index, epsilon)
+        if self.config.site_score is None:
+            return sigma, rounds
+        return sigma, [*rounds, self.config.site_score.event()]
+
+    def rounds(self, index: int, epsilon: float) -> tuple[float, list[PrivacyEvent]]:
+        """(sigma, events) of one trial's rounds alone."""
         key = (index, epsilon)
         if key not in self._events:
             fed = self.config.candidate_config(index, epsilon)
@@ -336,8 +341,6 @@ class TrialPlanner:
                 for r in range(1, fed.rounds + 1)
                 for event in fed.noise_mode.server_events(contract, r, fed.local_steps, dimension)
             ]
-            if self.config.site_score is not None:  # each site's score of the trial's model
-                events.append(self.config.site_score.event())
             self._events[key] = (contract.noise_multiplier, events)
         return self._events[key]
 
@@ -347,13 +350,15 @@ class TrialPlanner:
 
     def selection_event(self, epsilon: float) -> PrivacyEvent:
         """The whole random-K selection at per-trial budget ``epsilon``, as one event: a
-        trial of any candidate is bounded by one release repeated (the largest q, the
-        smallest noise multiplier, the most steps of any candidate's releases; RDP grows with
-        each), checked to lie on or above every candidate's RDP curve, inside the tuning's
-        ``Selection``. A trial draws its candidate independently of the data, so its curve is
-        at most the largest candidate's (``selection.random_search_rdp``)."""
+        trial's rounds, whatever its candidate, are bounded by one release repeated (the
+        largest q, the smallest noise multiplier, the most steps of any candidate's
+        releases; RDP grows with each), checked to lie on or above every candidate's RDP
+        curve, inside the tuning's ``Selection`` (which adds the sites' score of each trial,
+        the same release for every candidate). A trial draws its candidate independently of
+        the data, so its curve is at most the largest candidate's
+        (``selection.random_search_rdp``)."""
         if epsilon not in self._selection:
-            trials = [self.trial(i, epsilon)[1] for i in range(len(self.config.candidates))]
+            trials = [self.rounds(i, epsilon)[1] for i in range(len(self.config.candidates))]
             releases = [e for events in trials for e in events]
             worst = min(releases, key=lambda e: e.accounting_noise_multiplier)
             bound = PrivacyEvent.gaussian(
@@ -377,6 +382,18 @@ class TrialPlanner:
 
     def selected(self, epsilon: float) -> float:
         return epsilon_rdp([self.selection_event(epsilon)], self.config.total_delta)
+
+    def trial_budget(self, epsilon: float) -> float:
+        """What one trial may spend in its own ledgers, at per-trial budget ``epsilon``:
+        ``epsilon`` (each candidate's rounds are calibrated to it), or with site scores the
+        most any candidate's rounds and score compose to, which the selection's bound of one
+        run covers (its rounds' curve lies under the bound's)."""
+        if self.config.site_score is None:
+            return epsilon
+        delta = self.config.total_delta
+        candidates = range(len(self.config.candidates))
+        spent = max(epsilon_rdp(self.trial(i, epsilon)[1], delta) for i in candidates)
+        return max(epsilon, spent * (1 + 1e-9))  # the same figure the ledger composes
 
 
 def calibrate_trial_epsilon(

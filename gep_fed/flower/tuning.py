@@ -350,7 +350,7 @@ def tune(
     else:
         plan, epsilon, planned, stopped = _plan(config, planner, rng, out, sites_dir, options, say)
         trials = []
-    site_settings = _trial_site_settings(config, sites_dir, epsilon)
+    site_settings = _trial_site_settings(config, planner, sites_dir, epsilon)
     trained = None
     base = config.candidate_config(0)
     if config.site_score and base.noise_mode.server_steps and base.total_examples is None:
@@ -475,12 +475,15 @@ def _resumable(out: Path, config: TuneConfig) -> dict | None:
     return saved
 
 
-def _trial_site_settings(config: TuneConfig, sites_dir: Path, epsilon: float) -> dict[str, object]:
+def _trial_site_settings(
+    config: TuneConfig, planner: TrialPlanner, sites_dir: Path, epsilon: float
+) -> dict[str, object]:
     """The simulated sites' settings in every trial. A fixed T: one ledger each across all
     trials, in the tuning's folder, the total as their budget. A random K: each trial within
-    its own budget, in ledgers of its own (the trial's run directory)."""
+    its own budget (its rounds and score, ``TrialPlanner.trial_budget``), in ledgers of its
+    own (the trial's run directory)."""
+    held_out = config.site_score.site_settings() if config.site_score else {}
     if config.random_trials is None:
-        held_out = config.site_score.site_settings() if config.site_score else {}
         return {
             "epsilon-budget": config.total_epsilon,
             "delta": config.total_delta,
@@ -488,7 +491,13 @@ def _trial_site_settings(config: TuneConfig, sites_dir: Path, epsilon: float) ->
             "ledger-dir": str(sites_dir),
             **held_out,
         }
-    return {"delta": config.total_delta, **config.site_settings, "epsilon-budget": epsilon}
+    budget = planner.trial_budget(epsilon)
+    return {
+        "delta": config.total_delta,
+        **config.site_settings,
+        "epsilon-budget": budget,
+        **held_out,
+    }
 
 
 def _plan(config, planner, rng, out, sites_dir, options, say):
@@ -724,7 +733,8 @@ def _score_source(site_score: Mapping[str, float] | None) -> str:
         "Validation score: balanced accuracy of each trial's final model from the sites' "
         f"noised per-class counts on the {site_score['fraction']:g} of their examples they "
         f"hold out (noise std {site_score['noise_std']:g} per count; one Gaussian release "
-        "per site and trial, in its ledger and in the epsilon below). The +- is about one "
+        "per site and trial, in its ledger (a random number of trials: the trial's own, and "
+        "each run of the selection ends with it) and in the epsilon below). The +- is about one "
         "standard deviation of what that noise alone moves the score by, read from the noised "
         "counts: trials closer than it are not told apart; hold out more, or ask for less "
         "noise (more budget per score), to tell them apart."
