@@ -11,16 +11,7 @@ The names here are the public surface; each subpackage has its own for its conce
   Flower apps of ``gep_fed.flower``; a hospital's own ``Task``.
 """
 
-from gep_fed.accounting.events import ImpossibleTargetError
-from gep_fed.accounting.ledger import BudgetExceededError, LedgerError, PrivacyLedger
-from gep_fed.data.task import Task
-from gep_fed.federation.config import FederationConfig
-from gep_fed.mechanisms.contract import PrivacyContract
-from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier
-from gep_fed.mechanisms.per_example import IncompatibleModelError
-from gep_fed.mechanisms.step import GEPStep, private_step
-from gep_fed.mechanisms.step_config import GEPConfig
-from gep_fed.validation import ConfigError
+from gep_fed.lazy import lazy_exports
 
 __all__ = [
     "BudgetExceededError",
@@ -41,10 +32,28 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):
-    # ``simulate`` needs Flower (and Ray); importing gep_fed alone does not.
-    if name == "simulate":
-        from gep_fed.flower.simulation import simulate
+# Where each public name lives, imported on first use: a submodule (``gep_fed.accounting``,
+# the CLI's ``ledger`` and ``site keygen``) is not made to load PyTorch or Flower by its package.
+_PUBLIC = {
+    "BudgetExceededError": "gep_fed.accounting.ledger",
+    "ConfigError": "gep_fed.validation",
+    "FederationConfig": "gep_fed.federation.config",
+    "GEPConfig": "gep_fed.mechanisms.step_config",
+    "GEPStep": "gep_fed.mechanisms.step",
+    "ImpossibleTargetError": "gep_fed.accounting.events",
+    "IncompatibleModelError": "gep_fed.mechanisms.per_example",
+    "LedgerError": "gep_fed.accounting.ledger",
+    "PrivacyContract": "gep_fed.mechanisms.contract",
+    "PrivacyLedger": "gep_fed.accounting.ledger",
+    "Task": "gep_fed.data.task",
+    "calibrate_noise_multiplier": "gep_fed.mechanisms.mechanism",
+    "private_step": "gep_fed.mechanisms.step",
+    "simulate": "gep_fed.flower.simulation",
+}
 
-        return simulate
-    raise AttributeError(f"module 'gep_fed' has no attribute {name!r}")
+
+__getattr__ = lazy_exports(__name__, globals(), _PUBLIC)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -196,6 +196,38 @@ def test_the_command_lines_help_imports_neither_dp_accounting_nor_opacus():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_every_public_name_of_a_package_resolves_to_its_module():
+    import importlib
+
+    for package in ("gep_fed", "gep_fed.federation", "gep_fed.flower"):
+        module = importlib.import_module(package)
+        assert sorted(module._PUBLIC) == sorted(module.__all__)
+        for name in module.__all__:
+            assert getattr(module, name).__name__ == name
+        with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+            module.nothing  # noqa: B018
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_sites_ledger_and_key_commands_load_neither_pytorch_nor_flower(tmp_path):
+    """``gep-fed ledger init|show`` and ``site keygen`` (a hospital's setup, run by hand) read
+    and write files only: they answer in a fraction of a second, without the library."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gep_fed.cli.main import main\n"
+        f"assert main(['site', 'keygen', r'{tmp_path / 'k.pem'}', '--name', 'h1']) == 0\n"
+        f"assert main(['ledger', 'init', r'{tmp_path / 'l.json'}', '--owner', 'h1',"
+        " '--delta', '1e-5']) == 0\n"
+        f"assert main(['ledger', 'show', r'{tmp_path / 'l.json'}']) == 0\n"
+        "print(sorted(m for m in ('torch', 'flwr') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "owner 'h1', 0 accounted step(s)" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_main_job_in_one_line_and_the_same_command_finishes_its_run_dir(
     tmp_path, capsys

@@ -11,24 +11,20 @@ import types
 import typing
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gep_fed.accounting.events import ImpossibleTargetError, epsilon_pld, epsilon_rdp, pld_text
-from gep_fed.accounting.ledger import (
-    LedgerError,
-    PrivacyLedger,
-    create_ledger_key,
-    default_key_path,
-    default_mark_path,
-    read_ledger_key,
-)
-from gep_fed.federation.config import FIELD_GROUPS, FederationConfig
-from gep_fed.federation.modes import MODE_NAMES
-from gep_fed.federation.policy import NODE_CONFIG_KEYS
-from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
+from gep_fed.accounting.events import ImpossibleTargetError, pld_text
+from gep_fed.cli import site_tools
+from gep_fed.cli.site_tools import add_keygen_parser, add_ledger_parser
 from gep_fed.validation import ConfigError
+
+if TYPE_CHECKING:
+    from gep_fed.federation.config import FederationConfig
 
 
 def _field_type(f) -> type:
+    from gep_fed.federation.config import FederationConfig
+
     hint = typing.get_type_hints(FederationConfig)[f.name]
     if isinstance(hint, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
@@ -59,6 +55,8 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
     """One ``--kebab-case`` option per ``FederationConfig`` field, with its help text and its
     default: the field's own, or the task's recommendation where a task sets one; shown in
     the fields' groups (``FIELD_GROUPS``)."""
+    from gep_fed.federation.config import FIELD_GROUPS, FederationConfig
+
     recommended = task_recommendations()
     titles = {name: title for title, names in FIELD_GROUPS.values() for name in names}
     groups = {title: parser.add_argument_group(title) for title, _ in FIELD_GROUPS.values()}
@@ -82,6 +80,8 @@ def add_federation_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _given(args: argparse.Namespace) -> dict:
+    from gep_fed.federation.config import FederationConfig
+
     values = {}
     for f in fields(FederationConfig):
         value = getattr(args, f.name, None)
@@ -99,6 +99,8 @@ def _given(args: argparse.Namespace) -> dict:
 
 def federation_config(args: argparse.Namespace, announce: bool = True) -> FederationConfig:
     """The options given, over the task's recommended settings, over the defaults."""
+    from gep_fed.federation.config import FederationConfig
+
     values = _given(args)
     fed = FederationConfig.for_task(**values)
     from gep_fed.data.registry import resolve_task
@@ -115,6 +117,7 @@ def federation_config(args: argparse.Namespace, announce: bool = True) -> Federa
 def settings_lines(args: argparse.Namespace) -> list[str]:
     """Every setting a run with these options would use, and where each comes from."""
     from gep_fed.data.registry import resolve_task
+    from gep_fed.federation.config import FederationConfig
 
     given = _given(args)
     fed = federation_config(args, announce=False)
@@ -189,6 +192,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
+    from gep_fed.mechanisms.mechanism import calibrate_noise_multiplier, mechanism_class
+
     sigma = calibrate_noise_multiplier(
         args.epsilon, args.delta, args.sample_rate, args.steps, args.mechanism
     )
@@ -201,81 +207,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"epsilon at delta={args.delta:g}: RDP {epsilon_rdp(events, args.delta):.4f}, "
         f"PLD {epsilon_pld(events, args.delta):.4f}"
     )
-    return 0
-
-
-def _site_keygen(args: argparse.Namespace) -> int:
-    from gep_fed.federation.secure_sum import create_site_key, key_text
-
-    if not args.name or any(c.isspace() for c in args.name):
-        raise ConfigError(f"--name must be one word, got {args.name!r}")
-    public = create_site_key(args.path)
-    print(f"{args.name} {key_text(public)}")
-    return 0
-
-
-def _ledger_init(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    if path.exists():
-        raise LedgerError(f"ledger {path} already exists; not replacing it")
-    key_path = Path(args.key) if args.key else default_key_path(path)
-    mark = default_mark_path(key_path)
-    if mark.exists():
-        raise LedgerError(
-            f"{mark} exists: this site already has a ledger history; restore the newest copy "
-            f"of its ledger instead of creating {path}"
-        )
-    key = create_ledger_key(key_path)
-    PrivacyLedger.open(path, args.delta, None, args.owner, key=key, mark_path=mark, create=True)
-    print(f"created ledger {path} (owner {args.owner!r}, delta {args.delta:g})")
-    print(f"created its key {key_path} (mode 600): back it up with the ledger; without it the")
-    print("ledger cannot be verified, and whoever holds it can rewrite the ledger")
-    print(f"created its high-water mark {mark}: never restore it from a backup; it is what")
-    print("refuses an older copy of the ledger")
-    return 0
-
-
-def _ledger_show(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    key_path = Path(args.key) if args.key else default_key_path(path)
-    key = read_ledger_key(key_path) if key_path.exists() or args.key else None
-    ledger = PrivacyLedger.load(path, key, default_mark_path(key_path) if key else None)
-    verified = "HMAC and high-water mark verified" if key else "checksum verified, no key"
-    print(f"ledger {path} ({verified})")
-    print(f"  owner {ledger.owner!r}, {ledger.steps} accounted step(s)")
-    print(
-        f"  epsilon {ledger.epsilon():.4f} (RDP), {pld_text(ledger.epsilon('pld'))} at "
-        f"delta={ledger.delta:g}"
-    )
-    distributed = [e for e in ledger.events if e.is_distributed]
-    if distributed:
-        colluders = max(e.max_colluding_sites for e in distributed)
-        print(
-            f"  {sum(e.steps for e in distributed)} step(s) in secure sums: epsilon "
-            f"{ledger.epsilon_if_shares_exposed():.4f} (RDP) if more than {colluders} other "
-            "site(s) colluded with the coordinator and its own noise shares were seen alone"
-        )
-    for e in ledger.events:
-        if e.selection is not None:
-            print(
-                f"  {e.steps} of those: a private selection (the best of a random number of "
-                f"runs of {e.steps} step(s)"
-                + (" and a noised score" if e.selection.score_noise_multiplier else "")
-                + f", mean {e.selection.mean:.3g}), accounted once"
-            )
-    return 0
-
-
-def _ledger_mark(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    key_path = Path(args.key) if args.key else default_key_path(path)
-    mark = default_mark_path(key_path)
-    if mark.exists():
-        raise LedgerError(f"{mark} exists; a high-water mark is only ever raised, by the site")
-    key = read_ledger_key(key_path)
-    ledger = PrivacyLedger.load(path, key, mark, verify_mark=False)
-    ledger.save()
-    print(f"recorded {ledger.steps} step(s), epsilon {ledger.epsilon():.4f} as {mark}")
     return 0
 
 
@@ -384,6 +315,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole ``gep-fed`` parser (every command: it loads the library)."""
+    from gep_fed.federation.modes import MODE_NAMES
+    from gep_fed.federation.policy import NODE_CONFIG_KEYS
+
     parser = argparse.ArgumentParser(
         prog="gep-fed",
         description="Federated training with Gradient Embedding Perturbation (GEP) "
@@ -558,36 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--run-dir", default="runs", help="where the audit's run directory goes")
     aud.set_defaults(func=_audit)
 
-    led = sub.add_parser("ledger", help="create or inspect a site's privacy ledger")
-    led_sub = led.add_subparsers(dest="ledger_command", required=True)
-    init = led_sub.add_parser(
-        "init",
-        help="create a site's ledger and its HMAC key, once, before the site's first run",
-        description="Create an empty ledger and a new HMAC key (mode 600). Refuses to replace "
-        "either: a site's accounting is never restarted.",
-    )
-    init.add_argument("path", help="the ledger file (the site's node config ledger-path)")
-    init.add_argument("--owner", required=True, help="the site id recorded in the ledger")
-    init.add_argument(
-        "--delta", type=float, required=True, help="delta of the site's guarantee (node config)"
-    )
-    init.add_argument("--key", help="key file (default: <path>.key)")
-    init.set_defaults(func=_ledger_init)
-    show = led_sub.add_parser("show", help="verify a ledger and print what it has spent")
-    show.add_argument("path", help="the ledger file")
-    show.add_argument("--key", help="key file (default: <path>.key when it exists)")
-    show.set_defaults(func=_ledger_show)
-    mark = led_sub.add_parser(
-        "mark",
-        help="give a ledger kept before high-water marks existed its mark (once)",
-        description="Record the ledger's current spending as its high-water mark. Only for a "
-        "ledger that has none yet: check first that it is the newest copy, since a mark made "
-        "from an older copy forgets the releases after it. Refuses if a mark exists.",
-    )
-    mark.add_argument("path", help="the ledger file")
-    mark.add_argument("--key", help="key file (default: <path>.key)")
-    mark.set_defaults(func=_ledger_mark)
-
+    add_ledger_parser(sub)
     site = sub.add_parser("site", help="check a hospital's site before it joins a federation")
     site_sub = site.add_subparsers(dest="site_command", required=True)
     check = site_sub.add_parser(
@@ -621,24 +527,16 @@ def build_parser() -> argparse.ArgumentParser:
         "'normal,pneumonia'): a site whose class folders name others fails the check",
     )
     check.set_defaults(func=_site_check)
-    keygen = site_sub.add_parser(
-        "keygen",
-        help="make the site's secure-sum key (distributed mode) and print its public key",
-        description="Writes a new Ed25519 key (PEM, mode 600; never overwritten) for the node "
-        "config's site-key, and prints the line the other hospitals add to their peers file: "
-        "'NAME PUBLIC-KEY'. Exchange these lines by a channel you trust (and compare them by "
-        "phone): a site accepts in a secure sum only keys signed by a peer it pinned.",
-    )
-    keygen.add_argument("path", help="the key file to create")
-    keygen.add_argument("--name", required=True, help="the site's name in the peers files")
-    keygen.set_defaults(func=_site_keygen)
+    add_keygen_parser(site_sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from gep_fed.flower.interrupt import RunInterrupted
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = site_tools.build_parser() if site_tools.handles(argv) else build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except RunInterrupted as stopped:

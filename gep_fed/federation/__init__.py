@@ -2,14 +2,24 @@
 trainer and self-check, the server's aggregation and accounting, the round loop over any grid
 (``rounds.RoundLoop``), the run directory."""
 
-from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.policy import SiteConfig, SitePolicy
-from gep_fed.federation.rounds import RoundGrid, RoundLoop
-from gep_fed.federation.rundir import RunDirectory
-from gep_fed.federation.server import FederationServer
-from gep_fed.federation.site import Site
-from gep_fed.federation.site_check import check_site
-from gep_fed.federation.wire import RoundConfig, RoundRefused, WireError
+from gep_fed.lazy import lazy_exports
+
+# Each public name's module, imported on first use: ``gep_fed.federation.secure_sum`` (a
+# site's ``gep-fed site keygen``) is not made to load PyTorch by its package.
+_PUBLIC = {
+    "FederationConfig": "gep_fed.federation.config",
+    "FederationServer": "gep_fed.federation.server",
+    "RoundConfig": "gep_fed.federation.wire",
+    "RoundGrid": "gep_fed.federation.rounds",
+    "RoundLoop": "gep_fed.federation.rounds",
+    "RoundRefused": "gep_fed.federation.wire",
+    "RunDirectory": "gep_fed.federation.rundir",
+    "Site": "gep_fed.federation.site",
+    "SiteConfig": "gep_fed.federation.policy",
+    "SitePolicy": "gep_fed.federation.policy",
+    "WireError": "gep_fed.federation.wire",
+    "check_site": "gep_fed.federation.site_check",
+}
 
 __all__ = [
     "FederationConfig",
@@ -25,3 +35,6 @@ __all__ = [
     "WireError",
     "check_site",
 ]
+
+
+__getattr__ = lazy_exports(__name__, globals(), _PUBLIC)
