@@ -28,7 +28,6 @@ from gep_fed.data.formats import (
 )
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-MEDMNIST_KEYS = tuple(f"{s}_{k}" for s in ("train", "val", "test") for k in ("images", "labels"))
 
 
 @dataclass(frozen=True)

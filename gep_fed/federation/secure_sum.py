@@ -194,16 +194,6 @@ class SignedKey:
     def as_list(self) -> list[bytes]:
         return [self.site_key, self.agreement_key, self.signature]
 
-    @classmethod
-    def from_list(cls, value: object) -> SignedKey:
-        if not (
-            isinstance(value, list | tuple)
-            and len(value) == 3
-            and all(isinstance(v, bytes) for v in value)
-        ):
-            raise ValueError("a signed key is three byte strings")
-        return cls(*value)
-
 
 def advertise(site_key: Ed25519PrivateKey, run_id: int, round_: int) -> tuple[bytes, SignedKey]:
     """A fresh agreement key for the round: (its private bytes, kept by the site until the

@@ -33,12 +33,10 @@ class RunFailedError(RuntimeError):
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """How a ServerApp's run ended: its strategy (server, run directory, stop reason), the
-    rounds committed before it started (a resumed run), and ``interrupted`` when a stop
-    request ended it between rounds."""
+    """How a ServerApp's run ended: its strategy (server, run directory, stop reason) and
+    ``interrupted`` when a stop request ended it between rounds."""
 
     strategy: GEPStrategy
-    resumed_after: int
     interrupted: RunInterrupted | None = None
 
 
@@ -116,7 +114,7 @@ def make_server_app(
         scored = run.file(SITE_SCORE).exists()  # a finished run rerun: asked once already
         if score_sites and interrupted is None and strategy.server.completed_rounds and not scored:
             strategy.loop.score_sites(FlowerGrid(grid), config.round_timeout)
-        outcome = RunOutcome(strategy, done, interrupted)
+        outcome = RunOutcome(strategy, interrupted)
         _record_outcome(strategy, interrupted)
         if on_done is not None:
             on_done(outcome)
