@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from sklearn import metrics as skm
 from torch.utils.data import TensorDataset
 
 from gep_fed.data.metrics import (
@@ -49,6 +48,8 @@ def test_losses_by_name():
 
 
 def test_multiclass_metrics_agree_with_scikit_learn():
+    from sklearn import metrics as skm
+
     got = evaluate_predictions(MULTICLASS_LOGITS, MULTICLASS_TARGETS, "multiclass")
     y = MULTICLASS_TARGETS.numpy()
     probs = MULTICLASS_LOGITS.double().softmax(1).numpy()
@@ -64,6 +65,8 @@ def test_multiclass_metrics_agree_with_scikit_learn():
 
 
 def test_multiclass_auroc_is_nan_when_a_class_is_missing():
+    from sklearn import metrics as skm
+
     targets = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])  # class 2 never occurs
     got = evaluate_predictions(MULTICLASS_LOGITS, targets, "multiclass")
     assert math.isnan(got["auroc"])
@@ -73,6 +76,8 @@ def test_multiclass_auroc_is_nan_when_a_class_is_missing():
 
 
 def test_binary_one_logit_agrees_with_scikit_learn():
+    from sklearn import metrics as skm
+
     logits = torch.tensor([[1.2], [-0.3], [0.4], [-2.0], [0.1], [-0.7]])
     targets = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     got = evaluate_predictions(logits, targets, "binary")
@@ -88,6 +93,8 @@ def test_binary_one_logit_agrees_with_scikit_learn():
 
 
 def test_binary_two_logits_use_the_positive_class_probability():
+    from sklearn import metrics as skm
+
     logits = MULTICLASS_LOGITS[:, :2]
     targets = torch.tensor([0, 1, 1, 0, 1, 1, 0, 0])
     got = evaluate_predictions(logits, targets, "binary")
@@ -98,6 +105,8 @@ def test_binary_two_logits_use_the_positive_class_probability():
 
 
 def test_multilabel_metrics_agree_with_scikit_learn():
+    from sklearn import metrics as skm
+
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(10, 4, generator=gen)
     targets = (torch.rand(10, 4, generator=gen) < 0.5).float()

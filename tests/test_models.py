@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from gep_fed.data import models
@@ -51,6 +50,8 @@ def _has_batchnorm(model: nn.Module) -> bool:
 
 @pytest.mark.parametrize("name", TORCHVISION)
 def test_torchvision_builds_offline_without_batchnorm(name, no_downloads):
+    import torchvision
+
     model = build_model(f"torchvision:{name}", num_classes=7)
     original = torchvision.models.get_model(name, weights=None, num_classes=7)
     assert not _has_batchnorm(model)
@@ -79,6 +80,8 @@ def test_unadaptable_input_conv_is_refused(monkeypatch):
 
 
 def test_stochastic_depth_is_per_example():
+    import torchvision
+
     model = build_model("torchvision:efficientnet_b0", 10)
     assert any(isinstance(m, PerExampleStochasticDepth) for m in model.modules())
     assert not any(isinstance(m, torchvision.ops.StochasticDepth) for m in model.modules())
@@ -200,6 +203,8 @@ def test_freezing_leaves_the_accounting_unchanged():
 
 def _bn_resnet18(num_classes: int = 10) -> nn.Module:
     """A torchvision resnet18 with BatchNorm whose affine and running statistics are random."""
+    import torchvision
+
     source = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     with torch.no_grad():
         for m in source.modules():
