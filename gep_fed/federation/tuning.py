@@ -393,7 +393,7 @@ class TrialPlanner:
         delta = self.config.total_delta
         candidates = range(len(self.config.candidates))
         spent = max(epsilon_rdp(self.trial(i, epsilon)[1], delta) for i in candidates)
-        return max(epsilon, spent * (1 + 1e-9))  # the same figure the ledger composes
+        return max(epsilon, spent * (1 + 1e-9))  # a rounding margin: the ledger composes these
 
 
 def calibrate_trial_epsilon(
