@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from gep_fed import GEPConfig, GEPStep, PrivacyContract
@@ -48,6 +49,7 @@ def test_projection_error_diagnostics_on_anchors_and_on_a_private_batch():
     assert step.ledger.steps == 0  # a diagnostic, not a release: nothing accounted
 
 
+@pytest.mark.slow  # 335 million uniforms (~3.5 s)
 def test_inclusion_rate_is_not_rounded_up_to_a_float32_grid():
     """float32 uniforms are multiples of 2^-24, so u < q holds with probability >= 2^-24
     however small q is. At q = 2^-30 over 2^24 examples, 20 samples include 20 examples in

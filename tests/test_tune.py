@@ -141,6 +141,7 @@ def test_without_server_validation_the_sites_noised_counts_choose_and_are_accoun
     assert saved["settings"]["site_score"] == {"fraction": 0.2, "noise_std": 2.0}
 
 
+@pytest.mark.slow  # a tuning in process (~3 s)
 def test_a_site_refuses_its_score_beyond_its_budget_and_keeps_its_ledger(tmp_path):
     """A site whose budget holds a trial's rounds but not its score: the rounds run, the
     score is refused before anything is counted, and the trial is refused, the site named."""
