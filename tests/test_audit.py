@@ -104,11 +104,12 @@ def test_an_honest_run_audits_below_its_claim_and_above_zero(mechanism, mode, ep
 @pytest.mark.audit
 @pytest.mark.parametrize("mechanism", ["gep", "gp"])
 def test_a_distributed_run_audits_below_its_claim(mechanism):
-    """Three sites' quantised shares with a third of the noise each, summed as SecAgg+ sums
-    them: the canaries stay below what the distributed accounting claims (the Gaussian's claim
-    for the same sigma, 8, grown a hair by the rounding). OpenDP's noise cannot be seeded, so
-    each run is a fresh draw; GP's claim is tight at q = 1, so a 95 % bound exceeds it in about
-    5 % of honest runs (seen once in nine): the bounds here are taken at 99.9 %."""
+    """Three sites' quantised shares with a third of the noise each, masked and summed by the
+    real secure sum: the canaries stay below what the distributed accounting claims (the
+    Gaussian's claim for the same sigma, 8, grown a hair by the rounding). OpenDP's noise
+    cannot be seeded, so each run is a fresh draw; GP's claim is tight at q = 1, so a 95 %
+    bound exceeds it in about 5 % of honest runs (seen once in nine): the bounds here are
+    taken at 99.9 %."""
     setup = AuditSetup(mechanism=mechanism, mode="distributed", epsilon=8.0, confidence=0.999)
     result = run_audit(setup)
     assert result.placement == "distributed"

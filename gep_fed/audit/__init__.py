@@ -47,5 +47,6 @@ The package, of which nothing in a real run imports any part:
   sample's clipped sums and scores every noisy release;
 - ``gep_fed.audit.harness``: ``run_audit``, the one part that builds trainers and a
   federation (``GEPStep``, ``LangevinTrainer``, ``Site``, ``FederationServer``) with the
-  canaries attached, and the result and report of an audit.
+  canaries attached, runs a federation's rounds through the production round loop and
+  ClientApp in process, and the result and report of an audit.
 """

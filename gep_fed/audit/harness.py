@@ -94,8 +94,10 @@ class AuditSetup:
         mode: "single" (``GEPStep``), "central" (``Site`` clipped sums, noised by
             ``FederationServer``), "client" (``Site`` local steps with its own noise) or
             "distributed" (the audited ``Site`` and two more, holding other examples, each
-            quantise and add a third of the noise; their shares are summed modulo 2**bits, as
-            the secure sum adds them, and the server decodes the sum).
+            quantise and add a third of the noise; the secure sum adds their masked shares
+            and the server decodes the sum). Every federated mode runs through the round
+            loop and each site's ClientApp in process (``_federate``): the wire format, the
+            sites' checks and ledgers, the secure sum's pinned keys and masks.
         epsilon, delta: the target the noise multiplier is calibrated to (the claim).
         canaries: m; steps and sample_rate: T and q of the audited run.
         examples: real private examples at the audited site (scikit-learn's digits); few, so
@@ -175,7 +177,9 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         run_dir=run_dir or tempfile.mkdtemp(prefix="gep-fed-audit-"),
         run_name="federation",
         num_sites=DISTRIBUTED_SITES if distributed else 3,
-        total_examples=s.examples * (DISTRIBUTED_SITES if distributed else 1),
+        # the canaries are examples of the audited site too (each in a batch with chance q):
+        # the server's plausibility check of a site's clipped sums counts them
+        total_examples=s.examples * (DISTRIBUTED_SITES if distributed else 1) + s.canaries,
     )
     resolved = fed.resolve()
     contract = resolved.contract
@@ -223,17 +227,7 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
             )
             for i in range(DISTRIBUTED_SITES if distributed else 1)
         ]
-        for round_ in range(1, fed.rounds + 1):
-            plan = server.plan_round(round_)
-            releases = []
-            for site in sites:
-                site.load_state(server.model.state_dict())
-                releases.append(site.run_round(plan.config, server.subspace))
-            if distributed:  # what the secure sum reveals: the sum modulo 2**bits
-                modulus = 1 << contract.quantization_bits
-                server.apply_distributed(round_, sum(r.share for r in releases) % modulus)
-            elif noise_mode.server_steps:
-                server.apply_central(round_, [releases[0].sums])
+        _federate(fed, server, sites)
         ledger = server.ledger if noise_mode.server_steps else sites[0].ledger
         placement = noise_mode.site_placement
     found = canaries.guesses(s.delta, s.confidence)
@@ -259,6 +253,23 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
         sample_rate=s.sample_rate,
         noise_multiplier=sigma,
     )
+
+
+def _federate(fed: FederationConfig, server: FederationServer, sites: list[Site]) -> None:
+    """``fed.rounds`` rounds through the production path, in process: the round loop, the
+    wire format both ways, each site's ClientApp (its checks, its ledger, the secure sum's
+    pinned keys and masks), with ``sites`` served as the simulation's nodes."""
+    from gep_fed.federation.rounds import RoundLoop
+    from gep_fed.flower.clientapp import make_client_app, served_sites
+    from gep_fed.flower.grid import FlowerGrid
+    from gep_fed.flower.in_process import in_process_grid
+    from gep_fed.flower.simulation import simulated_site_settings
+
+    simulation = simulated_site_settings(fed)
+    with in_process_grid(make_client_app(fed, simulation), len(sites)) as grid:
+        nodes = dict(zip(grid.contexts, sites, strict=True))
+        with served_sites(grid.contexts, nodes, fed, simulation):
+            RoundLoop(server, progress=False).run(FlowerGrid(grid), 1, fed.rounds)
 
 
 def _audit_langevin(s: AuditSetup, x: torch.Tensor, y: torch.Tensor) -> AuditResult:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,32 @@ def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | 
     # served by several worker processes), and a stale copy must never overwrite it.
     site.ledger = _open_ledger(cfg)
     return site
+
+
+@contextmanager
+def served_sites(
+    contexts: Mapping[int, Context],
+    sites: Mapping[int, Site],
+    fed: FederationConfig,
+    simulation: Mapping,
+) -> Iterator[None]:
+    """For the time of the ``with`` block, this process's ClientApp serves ``sites`` (built
+    by the caller, by node id: the audit harness's, with canary observers) as the simulated
+    nodes of ``contexts`` instead of building them; each still opens its ledger from its
+    node config every round, as a built site does."""
+    keys = []
+    try:
+        for node, site in sites.items():
+            context = contexts[node]
+            key = (context.run_id, context.node_id)
+            run_directory = fed.run_directory(context.run_id)
+            cfg = SiteConfig.from_node_config(context.node_config, simulation, run_directory)
+            _SITES[key] = (site, cfg)
+            keys.append(key)
+        yield
+    finally:
+        for key in keys:
+            _SITES.pop(key, None)
 
 
 def admit_task(context: Context, fed: FederationConfig | None) -> None:

@@ -14,7 +14,8 @@ import copy
 import itertools
 import logging
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from uuid import uuid4
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -118,17 +119,28 @@ def site_contexts(num_sites: int, run_id: int) -> dict[int, Context]:
     }
 
 
-def run_in_process(
-    server_app: ServerApp, client_app: ClientApp, num_sites: int, run_id: int | None = None
-) -> None:
-    """Run ``server_app`` against ``num_sites`` simulated sites of ``client_app``, each with
-    the node config Flower's simulation gives it (``partition-id``, ``num-partitions``).
-    ``run_id``: a new one by default (a site keeps its state per run, as under Flower)."""
+@contextmanager
+def in_process_grid(
+    client_app: ClientApp, num_sites: int, run_id: int | None = None
+) -> Iterator[InProcessGrid]:
+    """A grid over ``num_sites`` simulated sites of ``client_app``, each with the node config
+    Flower's simulation gives it (``partition-id``, ``num-partitions``), for the time of the
+    ``with`` block. ``run_id``: a new one by default (a site keeps its state per run, as
+    under Flower)."""
     run_id = run_id if run_id is not None else next(_RUN_IDS)
     grid = InProcessGrid(client_app, site_contexts(num_sites, run_id), Run.create_empty(run_id))
     saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, 0
     try:
-        server_app(grid, Context(run_id, 0, {}, RecordDict(), {}))
+        yield grid
     finally:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def run_in_process(
+    server_app: ServerApp, client_app: ClientApp, num_sites: int, run_id: int | None = None
+) -> None:
+    """Run ``server_app`` against ``num_sites`` simulated sites of ``client_app``
+    (``in_process_grid``)."""
+    with in_process_grid(client_app, num_sites, run_id) as grid:
+        server_app(grid, Context(grid.run.run_id, 0, {}, RecordDict(), {}))
