@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -71,6 +72,9 @@ from gep_fed.federation.tuning import (
 from gep_fed.files import write_bytes_atomically
 from gep_fed.flower.interrupt import RunInterrupted
 from gep_fed.validation import ConfigError
+
+if TYPE_CHECKING:  # the module itself is imported per trial: tests replace its simulate
+    from gep_fed.flower.simulation import SimulationResult
 
 TUNE_FORMAT = "gep-fed-tune/1"
 TUNE_JSON = "tune.json"
@@ -368,7 +372,6 @@ def tune(
         )
         if trained is not None:
             fed = replace(fed, total_examples=trained)
-        settings = config.candidates[index]
         fixed = config.random_trials is None  # one ledger per site, else the trial's own
         ledgers = sites_dir if fixed else Path(fed.run_directory("")) / "sites"
         before = _site_rows(ledgers)
@@ -376,66 +379,96 @@ def tune(
             sim = _run_trial(fed, site_settings, options, config.site_score is not None)
         except RunInterrupted as stop:
             raise TuneInterrupted(f"trial {n} of {len(plan)}", stop.completed_round, out) from None
-        rows = _rows_since(ledgers, before)
-        over = {
-            s: [r["round"] for r in rs if r["outcome"] == "over budget" and "stage" not in r]
-            for s, rs in rows.items()
-        }
-        refused = {s: f"over budget in round(s) {round_spans(r)}" for s, r in over.items() if r}
-        for site, rs in rows.items():  # a score beyond the budget: after the rounds it allowed
-            if any(r.get("stage") == "score" and r["outcome"] == "over budget" for r in rs):
-                refused.setdefault(site, "over budget for its score")
-        score, best_round = _best(sim.metrics)
-        spread = None
-        problems = [
-            f"{site}: {r['outcome']}" + (f" ({r['cause']})" if r.get("cause") else "")
-            for site, rs in rows.items()
-            for r in rs
-            if r["outcome"] not in ("accepted", "over budget")
-        ]
-        not_applied = rounds_not_applied(sim.metrics)
-        if config.site_score is not None:  # the final model, by the sites' noised counts
-            score, spread = _site_score_of(Path(sim.run_dir), config.site_score.noise_std)
-            best_round = sim.metrics[-1]["round"] if score is not None else None
-        if refused:
-            status, problem = "refused", None
-        elif sim.stop_reason or not_applied or problems or score is None:
-            status = "failed"
-            problem = sim.stop_reason or not_applied or (problems[0] if problems else None)
-            problem = problem or "no validation score"
-        else:
-            status, problem = "finished", None
-        trial = Trial(
-            n,
-            index + 1,
-            dict(settings),
-            epsilon,
-            sigma,
-            status,
-            score,
-            best_round,
-            str(sim.run_dir),
-            refused,
-            problem,
-            spread,
-        )
+        trial = _judged(config, n, index, epsilon, sigma, sim, _rows_since(ledgers, before))
         trials.append(trial)
-        head = f"trial {n}/{len(plan)}: candidate {index + 1} ({_settings_text(settings)})"
-        if status == "refused":
-            who = "; ".join(f"{s} ({why})" for s, why in refused.items())
-            stopped = f"trial {n} (candidate {index + 1}) refused by {who}: the search stopped"
-            say(f"{head}: REFUSED by {who}; the search stops with the trials done")
-        elif status == "failed":
-            say(f"{head}: FAILED: {problem}")
-        else:
-            noise = f" +- {spread:.2f} from the sites' noise" if spread is not None else ""
-            say(f"{head}: validation score {score:.4f}{noise} (round {best_round})")
+        stopped = _announce(trial, len(plan), say)
         _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     reference = _reference(config, out, say, options) if config.reference else None
     result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference)
     result = replace(result, complete=True)
     _write(result)
     return result
+
+
+def _judged(
+    config: TuneConfig,
+    n: int,
+    index: int,
+    epsilon: float,
+    sigma: float,
+    sim: SimulationResult,
+    rows: Mapping[str, list[dict]],
+) -> Trial:
+    """Trial ``n`` (candidate ``index``) as it ended: refused where a site's ledger refused a
+    round or its score, failed where the run stopped, left rounds unapplied, a site failed or
+    no score came back, else finished with its score (the server's validation at its best
+    round, or the sites' noised counts of its final model)."""
+    over = {
+        s: [r["round"] for r in rs if r["outcome"] == "over budget" and "stage" not in r]
+        for s, rs in rows.items()
+    }
+    refused = {s: f"over budget in round(s) {round_spans(r)}" for s, r in over.items() if r}
+    for site, rs in rows.items():  # a score beyond the budget: after the rounds it allowed
+        if any(r.get("stage") == "score" and r["outcome"] == "over budget" for r in rs):
+            refused.setdefault(site, "over budget for its score")
+    score, best_round = _best(sim.metrics)
+    spread = None
+    problems = [
+        f"{site}: {r['outcome']}" + (f" ({r['cause']})" if r.get("cause") else "")
+        for site, rs in rows.items()
+        for r in rs
+        if r["outcome"] not in ("accepted", "over budget")
+    ]
+    not_applied = rounds_not_applied(sim.metrics)
+    if config.site_score is not None:  # the final model, by the sites' noised counts
+        score, spread = _site_score_of(Path(sim.run_dir), config.site_score.noise_std)
+        best_round = sim.metrics[-1]["round"] if score is not None else None
+    if refused:
+        status, problem = "refused", None
+    elif sim.stop_reason or not_applied or problems or score is None:
+        status = "failed"
+        problem = sim.stop_reason or not_applied or (problems[0] if problems else None)
+        problem = problem or "no validation score"
+    else:
+        status, problem = "finished", None
+    settings = dict(config.candidates[index])
+    return Trial(
+        n,
+        index + 1,
+        settings,
+        epsilon,
+        sigma,
+        status,
+        score,
+        best_round,
+        str(sim.run_dir),
+        refused,
+        problem,
+        spread,
+    )
+
+
+def _announce(trial: Trial, planned: int, say: Callable[[str], None]) -> str | None:
+    """One line on how the trial ended; returns why the search stops (a refusal), else None."""
+    head = (
+        f"trial {trial.trial}/{planned}: candidate {trial.candidate} "
+        f"({_settings_text(trial.settings)})"
+    )
+    if trial.status == "refused":
+        who = "; ".join(f"{s} ({why})" for s, why in trial.refused_by.items())
+        say(f"{head}: REFUSED by {who}; the search stops with the trials done")
+        return (
+            f"trial {trial.trial} (candidate {trial.candidate}) refused by {who}: the search "
+            "stopped"
+        )
+    if trial.status == "failed":
+        say(f"{head}: FAILED: {trial.problem}")
+    else:
+        spread = trial.score_noise
+        noise = f" +- {spread:.2f} from the sites' noise" if spread is not None else ""
+        score, best = trial.validation_score, trial.best_round
+        say(f"{head}: validation score {score:.4f}{noise} (round {best})")
+    return None
 
 
 class TuneInterrupted(RunInterrupted):
