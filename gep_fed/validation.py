@@ -47,7 +47,9 @@ class Range:
 
     def __str__(self) -> str:
         low = "(" if self.low_open else "["
-        high = ")" if self.high_open else "]"
+        # an unbounded end is open: a finite number never reaches it
+        high = ")" if self.high_open or math.isinf(self.high) else "]"
+        low = "(" if math.isinf(self.low) else low
         return f"{low}{self.low:g}, {self.high:g}{high}"
 
 

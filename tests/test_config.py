@@ -151,3 +151,11 @@ def test_resolve_is_the_one_explicit_resolution_and_contract_reads_it():
     assert other.resolve() is not run
     assert other.contract.noise_multiplier < run.contract.noise_multiplier
     assert other == replace(other)  # the resolution is no part of the settings
+
+
+def test_a_range_error_names_an_unbounded_end_as_open():
+    from gep_fed.validation import POSITIVE, Range
+
+    with pytest.raises(ConfigError, match=r"must be a finite number in \(0, inf\), got 0"):
+        POSITIVE.check("target_epsilon", 0)
+    assert str(Range(0, 1)) == "[0, 1]" and str(Range()) == "(-inf, inf)"
