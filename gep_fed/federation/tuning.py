@@ -307,6 +307,8 @@ class TrialPlanner:
         self._events: dict[tuple[int, float], tuple[float, list[PrivacyEvent]]] = {}
         self._dimension: dict[int, int] = {}
         self._selection: dict[float, PrivacyEvent] = {}
+        # each site's score of a trial's model: one release, the same for every trial
+        self._score = config.site_score.event() if config.site_score else None
 
     def dimension(self, index: int, fed: FederationConfig) -> int:
         """A distributed share's length (the configured k: an upper bound of the basis's,
@@ -325,9 +327,7 @@ class TrialPlanner:
         """(sigma, events) of one trial of candidate ``index`` at budget ``epsilon``: its
         rounds' releases, then each site's score of its model where the sites score."""
         sigma, rounds = self.rounds(index, epsilon)
-        if self.config.site_score is None:
-            return sigma, rounds
-        return sigma, [*rounds, self.config.site_score.event()]
+        return sigma, rounds if self._score is None else [*rounds, self._score]
 
     def rounds(self, index: int, epsilon: float) -> tuple[float, list[PrivacyEvent]]:
         """(sigma, events) of one trial's rounds alone."""
