@@ -128,6 +128,21 @@ def test_bundled_default_data_needs_no_download():
     assert len(task.public_dataset()) == 100 and task.public_dataset()[0][0].shape == (1, 8, 8)
 
 
+def test_the_bundled_data_read_once_is_each_callers_own_copy():
+    """Digits and photograph patches are read once per process; a caller that writes into
+    what it got changes neither the next caller's copy nor the patches it is drawn from."""
+    first, patches = load_digits(), sample_photo_patches(20, 8, seed=3)
+    pristine_images, pristine_patches = first.images.copy(), patches.copy()
+    first.images[:] = 0
+    first.labels[:] = 0
+    patches[:] = 0
+    again = load_digits()
+    np.testing.assert_array_equal(again.images, pristine_images)
+    assert again.labels.max() == 9
+    np.testing.assert_array_equal(sample_photo_patches(20, 8, seed=3), pristine_patches)
+    assert not np.array_equal(sample_photo_patches(20, 8, seed=4), pristine_patches)
+
+
 def label_skew(labels, parts):
     """Mean total-variation distance between each site's label mix and the pooled one."""
     pooled = np.bincount(labels, minlength=10) / len(labels)
