@@ -165,7 +165,29 @@ def test_the_subsampling_bound_matches_an_independent_evaluation_of_the_binomial
         math.comb(order, j) * (1 - q) ** (order - j) * q**j * math.exp((j - 1) * eps[j])
         for j in range(2, order + 1)
     )
-    assert _poisson_subsampled(order, q, eps) == pytest.approx(math.log(total) / 5, rel=1e-12)
+    at_orders = _poisson_subsampled(q, np.array([eps[a] for a in range(2, order + 1)]))
+    assert at_orders[-1] == pytest.approx(math.log(total) / 5, rel=1e-12)
+
+
+def test_the_subsampling_bound_at_every_order_matches_the_series_in_50_digit_arithmetic():
+    """Every order 2..256 at once (as the accountant asks), against each order's series
+    summed in 50-digit arithmetic: small rates, where the sum is 1 plus a little, and large."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+    orders = np.arange(2, 257)
+    for q, multiplier in ((0.001, 0.7), (0.05, 1.5), (0.6, 4.0)):
+        rdp = orders / (2 * multiplier**2) + 1e-6 * orders  # a zCDP-like curve
+        got = _poisson_subsampled(q, rdp)
+        for a in (2, 3, 7, 40, 129, 256):
+            series = sum(
+                mpmath.binomial(a, j)
+                * mpmath.mpf(1 - q) ** (a - j)
+                * mpmath.mpf(q) ** j
+                * (mpmath.exp((j - 1) * mpmath.mpf(rdp[j - 2])) if j >= 2 else 1)
+                for j in range(a + 1)
+            )
+            assert got[a - 2] == pytest.approx(float(mpmath.log(series) / (a - 1)), rel=1e-9)
 
 
 def _both_directions(noise: np.ndarray, shift: int, q: float, order: float) -> tuple:
@@ -201,10 +223,9 @@ def test_with_symmetric_noise_adding_an_example_costs_no_more_than_removing_it(o
             remove, add = _both_directions(noise, shift, q, order)
             assert add <= remove + 1e-12
             if float(order).is_integer():
-                eps = {
-                    a: _both_directions(noise, shift, 1.0, a)[0] for a in range(2, int(order) + 1)
-                }
-                assert _poisson_subsampled(int(order), q, eps) == pytest.approx(remove, rel=1e-9)
+                eps = [_both_directions(noise, shift, 1.0, a)[0] for a in range(2, int(order) + 1)]
+                at_orders = _poisson_subsampled(q, np.array(eps))
+                assert at_orders[-1] == pytest.approx(remove, rel=1e-9)
 
 
 def test_with_asymmetric_noise_adding_an_example_can_cost_more():

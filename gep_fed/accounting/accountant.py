@@ -130,8 +130,7 @@ def distributed_rdp(
     curve = unsampled(np.asarray(orders))
     if sample_rate < 1:  # amplified up to order 256 (the cost grows with its square)
         integers = np.arange(2, SUBSAMPLED_MAX_ORDER + 1)
-        rdp_at = dict(zip(integers.tolist(), unsampled(integers), strict=True))
-        amplified = np.array([_poisson_subsampled(a, sample_rate, rdp_at) for a in rdp_at])
+        amplified = _poisson_subsampled(sample_rate, unsampled(integers))
         # (a - 1) RDP(a) is convex in a (a log-moment), so between integers it lies below the
         # chord; below 2 the chord from a = 1 (where it is 0) gives RDP(2).
         at = np.asarray(orders)
@@ -146,11 +145,11 @@ def distributed_rdp(
     return curve
 
 
-def _poisson_subsampled(order: int, q: float, rdp_at: dict) -> float:
-    """RDP at integer ``order`` of a symmetric-noise mechanism on a Poisson sample of rate q,
-    from its RDP ``rdp_at[l]`` at the integers 2..order:
+def _poisson_subsampled(q: float, rdp: np.ndarray) -> np.ndarray:
+    """RDP at the integer orders a = 2, 3, ..., A of a symmetric-noise mechanism on a Poisson
+    sample of rate q, from its RDP ``rdp`` at those orders (``rdp[a - 2]`` = eps(a)):
     ``log(sum_{l=0..a} C(a,l) (1-q)^(a-l) q^l e^((l-1) eps(l))) / (a - 1)``, where the terms
-    l = 0, 1 carry E_Q[r^l] = 1 (computed in log space).
+    l = 0, 1 carry E_Q[r^l] = 1 (computed in log space, every order at once).
 
     Write Q for the output's law without the example, P with it (always in the sample),
     r = P/Q, M = (1-q)Q + qP. *Remove*: E_Q[(1 - q + q r)^a] expands binomially, and
@@ -170,8 +169,12 @@ def _poisson_subsampled(order: int, q: float, rdp_at: dict) -> float:
     """
     from scipy.special import gammaln, logsumexp
 
-    ls = np.arange(order + 1)
-    log_comb = gammaln(order + 1) - gammaln(ls + 1) - gammaln(order - ls + 1)
-    eps = np.array([0.0, 0.0] + [rdp_at[int(l_)] for l_ in ls[2:]])
-    terms = log_comb + (order - ls) * math.log1p(-q) + ls * math.log(q) + (ls - 1) * eps
-    return float(logsumexp(terms)) / (order - 1)
+    top = len(rdp) + 1
+    a = np.arange(2, top + 1)[:, None]  # one row per order
+    ls = np.arange(top + 1)[None, :]  # one column per term; l > a is no term of order a
+    inside = ls <= a
+    rest = np.where(inside, a - ls, 0)
+    eps = np.concatenate([[0.0, 0.0], rdp])
+    log_comb = gammaln(a + 1) - gammaln(ls + 1) - gammaln(rest + 1)
+    terms = log_comb + rest * math.log1p(-q) + ls * math.log(q) + (ls - 1) * eps
+    return logsumexp(np.where(inside, terms, -np.inf), axis=1) / (a[:, 0] - 1)
