@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from example_task import AugmentedDigits, shift_by_copy
 from torch.utils.data import Subset
 
+from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.partition import partition_indices
@@ -148,6 +149,57 @@ def test_site_refuses_a_round_beyond_its_own_budget_before_computing(tmp_path, d
         site.run_round(plan.config, server.subspace)
     assert ledger.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, site.model.parameters(), strict=True))
+
+
+def test_a_site_refuses_at_round_one_a_run_its_budget_cannot_finish_and_spends_nothing(
+    tmp_path, digits
+):
+    """A budget that holds exactly three rounds: a four-round run is refused at its first
+    round, with nothing recorded; a three-round run is admitted in every round (no round
+    refused early), and a fourth round after it is not."""
+    server = make_server(
+        tmp_path, digits, mode="client", noise_multiplier=1.0, rounds=4, target_epsilon=100.0
+    )
+    plan = server.plan_round(1)
+    assert plan.config.last_round == 4
+    data = digits.train_dataset()
+    probe = Site("s", digits.build_model(), data, TRUSTING, ledger=PrivacyLedger(1e-5))
+    three_rounds = probe.planned_events(replace(plan.config, last_round=3))
+    one_round = probe.round_events(plan.config)
+    assert len(three_rounds) == 3 * len(one_round)
+    assert sorted({e.round for e in three_rounds}) == [1, 2, 3]
+    budget = epsilon_rdp(three_rounds, 1e-5)
+    ledger = PrivacyLedger(1e-5, budget_epsilon=budget, owner="s", path=tmp_path / "site.json")
+    site = Site("s", digits.build_model(), data, SitePolicy(budget, 1e-5), ledger=ledger)
+    site.load_state(server.model.state_dict())
+    with pytest.raises(RoundRefused, match="over budget"):
+        site.run_round(plan.config, server.subspace)
+    assert ledger.steps == 0 and not ledger.path.exists()
+    last = None
+    for round_ in (1, 2, 3):
+        site.run_round(replace(plan.config, round=round_, last_round=3), server.subspace, last)
+        last = round_
+    steps = sum(e.steps for e in three_rounds)
+    assert ledger.steps == steps and ledger.epsilon() == pytest.approx(budget)
+    with pytest.raises(RoundRefused, match="over budget"):
+        site.run_round(replace(plan.config, round=4, last_round=4), server.subspace, last)
+    assert PrivacyLedger.load(ledger.path).steps == steps  # what the file holds
+
+
+def test_the_server_announces_the_last_round_its_own_budget_holds(tmp_path, digits):
+    """A given sigma whose five rounds outspend the target: the server plans (and tells the
+    sites) the two rounds its budget holds; a budget that holds every round plans them all."""
+    from gep_fed.mechanisms.mechanism import GEP
+
+    sigma, q = 1.5, 0.2
+    two, three = (epsilon_rdp([GEP.event(sigma, q, n)], 1e-5) for n in (2, 3))
+    settings = dict(mode="central", noise_multiplier=sigma, sample_rate=q, rounds=5)
+    short = make_server(tmp_path / "short", digits, target_epsilon=(two + three) / 2, **settings)
+    assert short.plan_round(1).config.last_round == 2
+    short.ledger.record(*short.round_events(1))  # round 1 applied
+    assert short.last_round(2) == 2
+    long = make_server(tmp_path / "long", digits, target_epsilon=50.0, **settings)
+    assert long.plan_round(1).config.last_round == 5
 
 
 def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, digits):

@@ -172,6 +172,24 @@ def test_the_server_cannot_raise_or_remove_the_sites_budget(tmp_path, digits, ho
     assert site_ledger(hospital).steps == 0
 
 
+def test_a_last_round_beyond_the_budget_is_refused_at_once_and_an_early_one_buys_one_round(
+    tmp_path, digits, hospital
+):
+    """The round config's last round: announced beyond what the site's budget holds, the
+    site refuses its first round with nothing recorded, and the rest of that run, even
+    announced shorter; in another run, announced early (a lie to get in), the site still
+    admits one round at a time within its budget, as it would anyway."""
+    server = make_server(tmp_path, digits)
+    reply, context = answer(round_message(server, 1, {"last_round": 10_000}), hospital, server.cfg)
+    assert refused(reply, "over budget")
+    reply, _ = answer(round_message(server, 2, {"last_round": 2}), hospital, server.cfg, context)
+    assert refused(reply, "over budget")
+    assert site_ledger(hospital).steps == 0
+    reply, _ = answer(round_message(server, 1, {"last_round": 1}), hospital, server.cfg)
+    assert not reply.has_error()
+    assert site_ledger(hospital).steps == 2
+
+
 def test_the_server_cannot_switch_on_the_release_of_site_metrics(tmp_path, digits, hospital):
     """Point 4: only the site's own policy (node config release-metrics) allows it."""
     server = make_server(tmp_path, digits, release_site_metrics=True)

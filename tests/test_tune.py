@@ -360,10 +360,11 @@ def test_a_candidates_file_names_its_bad_tables(tmp_path):
 
 @pytest.mark.slow
 def test_a_site_refuses_a_trial_beyond_its_budget_mid_search_and_its_ledger_is_intact(tmp_path):
-    """Real simulations (two sites, one round a trial): each site's budget fits one trial,
-    not two, so both refuse the second trial; the search stops there, the third never
-    runs, and each ledger holds exactly the first trial's releases."""
-    fed = base(num_sites=2, rounds=1, noise_seed=3)
+    """Real simulations (two sites, two rounds a trial): each site's budget holds one trial
+    and a half, so both refuse the second trial from its first round (its last round is out
+    of reach) to its end, though its last round alone would fit; the search stops there,
+    the third never runs, and each ledger holds exactly the first trial's releases."""
+    fed = base(num_sites=2, rounds=2, noise_seed=3)
     config = TuneConfig(
         fed,
         [{"server-lr": 0.5}, {"server-lr": 1.0}, {"server-lr": 2.0}],
@@ -373,7 +374,8 @@ def test_a_site_refuses_a_trial_beyond_its_budget_mid_search_and_its_ledger_is_i
     epsilon, _ = calibrate_trial_epsilon(config, config.plan())
     planner = TrialPlanner(config)
     one = planner.trial(0, epsilon)[1]
-    budget = (epsilon_rdp(one, 1e-5) + epsilon_rdp(one * 2, 1e-5)) / 2
+    and_a_half = one + one[: len(one) // 2]
+    budget = (epsilon_rdp(and_a_half, 1e-5) + epsilon_rdp(one * 2, 1e-5)) / 2
     config = TuneConfig(
         fed,
         config.candidates,
@@ -385,17 +387,17 @@ def test_a_site_refuses_a_trial_beyond_its_budget_mid_search_and_its_ledger_is_i
     assert [t.status for t in result.trials] == ["finished", "refused"]
     refused = result.trials[1]
     assert refused.refused_by == {
-        "site-0": "over budget in round(s) 1",
-        "site-1": "over budget in round(s) 1",
+        "site-0": "over budget in round(s) 1-2",
+        "site-1": "over budget in round(s) 1-2",
     }
     assert "trial 2 (candidate 2) refused by site-0" in result.stopped
     assert result.chosen.trial == 1 and result.model_path.exists()
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        assert ledger.steps == sum(e.steps for e in one) == 2
+        assert ledger.steps == sum(e.steps for e in one) == 4
         assert ledger.epsilon() == pytest.approx(epsilon_rdp(one, 1e-5))
         assert ledger.budget_epsilon == pytest.approx(budget)
-        assert result.site_epsilons[site]["steps"] == 2
+        assert result.site_epsilons[site]["steps"] == 4
     assert result.epsilon_rdp == pytest.approx(epsilon_rdp(one, 1e-5))
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert [t["status"] for t in saved["trials"]] == ["finished", "refused"]

@@ -75,6 +75,7 @@ LAYOUT = ParameterLayout.from_model(MLP(4, 2, hidden=(3,)))
 def round_config() -> wire.RoundConfig:
     return wire.RoundConfig(
         round=2,
+        last_round=5,
         mode="client",
         privacy=PrivacyContract("gep", 1.0, 0.1, clip_embedding=1.0, clip_residual=0.2),
         local_steps=2,
@@ -107,6 +108,8 @@ def test_round_config_round_trips_and_refuses_other_protocol_versions():
         ({"privacy.clip_norm": "1.0"}, "clip_norm"),
         ({"round": 0}, "round"),
         ({"round": 2.5}, "round"),
+        ({"last_round": 1}, "last_round"),  # before the round itself
+        ({"last_round": "5"}, "last_round"),
         ({"local_steps": 0}, "local_steps"),
         ({"local_momentum": 1.0}, "local_momentum"),
         ({"augmentation_copies": -1}, "augmentation_copies"),

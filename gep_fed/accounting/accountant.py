@@ -92,7 +92,9 @@ class RdpAccountant(rdp_privacy_accountant.RdpAccountant):
         return super()._maybe_compose(event, count, do_compose)
 
 
-@functools.lru_cache(maxsize=256)
+# 4,096 curves (5 MB): a Langevin run's steps each have their own sigma, and a site checks
+# the run's remaining steps every round.
+@functools.lru_cache(maxsize=4096)
 def _gaussian_rdp(
     event: dp_event.DpEvent, orders: tuple[float, ...], relation: NeighboringRelation
 ) -> np.ndarray:

@@ -187,6 +187,24 @@ class FederationServer:
         """Raise ``BudgetExceededError`` if round ``round_`` would exceed the budget."""
         self.ledger.check_budget(self.round_events(round_))
 
+    def last_round(self, round_: int) -> int:
+        """The run's last round as planned at round ``round_`` (which fits the budget): the
+        configured last, or the last the budget holds when a given sigma would outspend it
+        (the run stops there). The sites are told it, and refuse a run they cannot finish."""
+        budget, last = self.ledger.budget_epsilon, self.cfg.rounds
+
+        def fits(through: int) -> bool:
+            events = [e for r in range(round_, through + 1) for e in self.round_events(r)]
+            return self.ledger.epsilon_after(events) <= budget
+
+        if budget is None or self.langevin or fits(last):
+            return last
+        held, over = round_, last  # bisection: the spend grows with the rounds
+        while over - held > 1:
+            middle = (held + over) // 2
+            held, over = (middle, over) if fits(middle) else (held, middle)
+        return held
+
     # -- one round ---------------------------------------------------------------------
 
     def plan_round(self, round_: int) -> RoundPlan:
@@ -230,6 +248,7 @@ class FederationServer:
             anchor_seconds, proj_err = result.seconds, result.projection_error
         rc = RoundConfig(
             round=round_,
+            last_round=self.last_round(round_),
             mode=cfg.mode,
             privacy=self.contract,
             local_steps=cfg.local_steps,

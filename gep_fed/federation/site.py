@@ -19,6 +19,7 @@ chunks of ``max_chunk`` examples, clipping and summing chunk by chunk.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
@@ -204,18 +205,30 @@ class Site:
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
 
     def run_round(
-        self, rc: RoundConfig, subspace: AnchorSubspace | None, last_round: int | None = None
+        self,
+        rc: RoundConfig,
+        subspace: AnchorSubspace | None,
+        last_round: int | None = None,
+        declined_through: int | None = None,
     ) -> SiteRelease:
         """Admit the round (policy, then budget), record it, compute the release.
 
+        ``last_round``: the last round this site was sent in the run (replays are refused).
+        ``declined_through``: the last planned round of a run this site already refused for
+        its budget; every round up to it is refused too, so a refused run never spends.
+
         Raises ``RoundRefused`` ("mode not allowed", "replayed round", "over budget",
         "malformed round", "over compute limit") before anything is computed or recorded.
+        "over budget": the budget cannot hold this round and the rest of the run's plan
+        (to ``rc.last_round``), so a run that could not finish spends nothing.
         """
         if self.ledger is None:
             raise ValueError(f"site {self.site_id}: needs its ledger")
         self.admit(rc, last_round)
+        if declined_through is not None and rc.round <= declined_through:
+            raise RoundRefused("over budget")
         try:
-            self.ledger.check_budget(self.round_events(rc, subspace))
+            self.ledger.check_budget(self.planned_events(rc, subspace))
         except BudgetExceededError:
             raise RoundRefused("over budget") from None
         return rc.noise_mode.release(self, rc, subspace)
@@ -241,6 +254,17 @@ class Site:
         """What the round releases, as this site's ledger records it (the round's mode
         says)."""
         return rc.noise_mode.site_events(self, rc, subspace)
+
+    def planned_events(
+        self, rc: RoundConfig, subspace: AnchorSubspace | None = None
+    ) -> list[PrivacyEvent]:
+        """What the run releases from this round through its last planned one, as this
+        site's ledger would record it, round by round."""
+        return [
+            event
+            for round_ in range(rc.round, rc.last_round + 1)
+            for event in self.round_events(replace(rc, round=round_), subspace)
+        ]
 
     def langevin_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
         """A Langevin round's events: step-dependent and dependent on this site's size."""

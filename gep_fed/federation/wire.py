@@ -38,7 +38,7 @@ from gep_fed.validation import (
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
 # 3: no model spec in the round config (the run's task builds the model at both ends).
 # 4: the round config carries augmentation_copies.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -158,6 +158,8 @@ class RoundConfig:
 
     Attributes:
         round: the federated round (from 1; strictly increasing within a run).
+        last_round: the run's last planned round (>= ``round``): a site refuses, before
+            recording anything, a run whose remaining rounds its budget cannot hold.
         mode: "central" (site sends unnoised clipped sums to a trusted server), "client"
             (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta)
             or "distributed" (site sends its quantised noised share, masked for the secure sum).
@@ -175,6 +177,7 @@ class RoundConfig:
     """
 
     round: int
+    last_round: int
     mode: str
     privacy: PrivacyContract
     local_steps: int
@@ -227,6 +230,7 @@ class RoundConfig:
         # the same declared ranges as the run's configuration (FederationConfig)
         checks = {
             "round": AT_LEAST_ONE.contains(cfg.round),
+            "last_round": cfg.last_round >= cfg.round,
             "mode": cfg.mode in MODE_NAMES,
             "local_steps": AT_LEAST_ONE.contains(cfg.local_steps),
             "local_lr": LEARNING_RATE.contains(cfg.local_lr),
@@ -252,6 +256,7 @@ class RoundConfig:
 
 _ROUND_TYPES = {
     "round": int,
+    "last_round": int,
     "mode": str,
     "local_steps": int,
     "local_lr": float,

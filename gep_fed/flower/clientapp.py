@@ -70,6 +70,8 @@ _SITES: dict[tuple[int, int], tuple[Site, SiteConfig]] = {}
 BASIS_ID_KEY = "basis-id"
 BASIS_DTYPE_KEY = "basis-dtype"  # how the held basis is stored
 LAST_ROUND_KEY = "last-round"
+# The last planned round of the run, once the site refused it for its budget.
+DECLINED_KEY = "declined-through"
 # A distributed round's agreement key, from the advertise stage to the collect stage.
 AGREEMENT_KEY = "secure-sum-agreement"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
@@ -254,7 +256,14 @@ def _train(
     site.load_state(state)
     subspace, received = _basis(msg, context, rc, site)
     context.state[LAST_ROUND_KEY] = ConfigRecord({LAST_ROUND_KEY: rc.round})
-    release = site.run_round(rc, subspace, last_round)
+    declined = context.state.config_records.get(DECLINED_KEY, {}).get(DECLINED_KEY)
+    try:
+        release = site.run_round(rc, subspace, last_round, declined)
+    except wire.RoundRefused as refused:
+        if refused.reason == "over budget":  # the rest of this plan is refused too
+            through = max(rc.last_round, declined or 0)
+            context.state[DECLINED_KEY] = ConfigRecord({DECLINED_KEY: through})
+        raise
     metrics = {"basis-bytes-received": received, BASIS_ID_KEY: rc.basis_id}
     if release.sums is not None:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
