@@ -135,6 +135,22 @@ def test_the_unmasked_sum_is_exactly_the_sum_of_the_sites_shares_and_none_is_see
     assert site.epsilon_if_shares_exposed() > site.epsilon()  # the share alone: sigma / sqrt(3)
 
 
+def test_sites_that_refused_a_run_for_their_budget_refuse_its_later_rounds_at_advertise(
+    tmp_path,
+):
+    """Budgets below one round: every site refuses round 1 when the round config comes
+    (collect), and round 2 already when asked for a key: no collect is sent in round 2,
+    and no ledger records anything."""
+    _, grid, _ = run(tmp_path, rounds=2, site_settings={"epsilon-budget": 0.01})
+    assert [s for r, s in grid.stages if r == 1].count(COLLECT) == 3
+    assert {s for r, s in grid.stages if r == 2} == {ADVERTISE}
+    assert all(reply.has_error() for reply in grid.received[-3:])
+    for site in ("site-0", "site-1", "site-2"):
+        assert [row["outcome"] for row in site_rounds(tmp_path)[site]] == ["over budget"] * 2
+        ledgers = list(tmp_path.glob(f"**/sites/{site}/ledger.json"))
+        assert all(PrivacyLedger.load_keyed(path).steps == 0 for path in ledgers)
+
+
 def test_a_site_silent_at_collect_abandons_the_round_with_nothing_revealed(tmp_path, monkeypatch):
     shares, sums = spy_shares(monkeypatch)
     _, grid, strategy = run(

@@ -302,6 +302,9 @@ def _advertise(msg: Message, context: Context, fed: FederationConfig | None, sim
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     if last_round is not None and round_ <= last_round:
         raise wire.RoundRefused("replayed round")
+    declined = context.state.config_records.get(DECLINED_KEY, {}).get(DECLINED_KEY)
+    if declined is not None and round_ <= declined:
+        raise wire.RoundRefused("over budget")  # the run it refused: no key for its rounds
     cfg = _SITES[(context.run_id, context.node_id)][1]
     private, signed = advertise(cfg.site_key(), msg.metadata.run_id, round_)
     context.state[AGREEMENT_KEY] = ConfigRecord(
