@@ -69,6 +69,9 @@ POSITIVE = Range(0, low_open=True)
 NON_NEGATIVE = Range(0)
 NOISE_MULTIPLIER = NON_NEGATIVE  # sigma; 0 is no noise (no privacy), never negative
 AT_LEAST_ONE = Range(1, integer=True)
+# A run's rounds: a site checks its budget against every round still to come, so the plan a
+# server may announce is bounded.
+ROUNDS = Range(1, 100_000, integer=True)
 PROBABILITY = Range(0, 1, low_open=True)  # a Poisson rate q, a quantile
 MOMENTUM = Range(0, 1, high_open=True)
 # 0: off; the weight of the running average at each step (close to 1: a longer memory)

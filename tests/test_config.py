@@ -55,6 +55,7 @@ def test_cli_flwr_run_and_library_resolve_the_same_settings_for_every_built_in_t
         ({"sample_rate": 1.5}, "sample_rate"),
         ({"target_epsilon": -1.0}, "target_epsilon"),
         ({"rounds": 0}, "rounds"),
+        ({"rounds": 100_001}, "rounds"),  # a site plans its budget over every round
         ({"min_sites": 5, "num_sites": 3}, "min_sites"),
         ({"basis_dtype": "int8"}, "basis_dtype"),
         ({"clip_residual": float("nan")}, "clip_residual"),

@@ -109,6 +109,7 @@ def test_round_config_round_trips_and_refuses_other_protocol_versions():
         ({"round": 0}, "round"),
         ({"round": 2.5}, "round"),
         ({"last_round": 1}, "last_round"),  # before the round itself
+        ({"last_round": 100_002}, "last_round"),  # 100,001 rounds from round 2: too long
         ({"last_round": "5"}, "last_round"),
         ({"local_steps": 0}, "local_steps"),
         ({"local_momentum": 1.0}, "local_momentum"),

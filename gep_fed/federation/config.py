@@ -34,6 +34,7 @@ from gep_fed.validation import (
     NOISE_MULTIPLIER,
     POSITIVE,
     PROBABILITY,
+    ROUNDS,
     ConfigError,
     Range,
     check_choice,
@@ -329,12 +330,12 @@ class FederationConfig:
             "num_basis",
             "power_iterations",
             "basis_refresh",
-            "rounds",
             "local_steps",
             "min_sites",
             "max_chunk",
         ):
             AT_LEAST_ONE.check(name, getattr(self, name))
+        ROUNDS.check("rounds", self.rounds)
         Range(0, integer=True).check("seed", self.seed)
         for name in ("num_anchors", "total_examples"):
             if getattr(self, name) is not None:

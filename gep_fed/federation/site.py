@@ -259,12 +259,12 @@ class Site:
         self, rc: RoundConfig, subspace: AnchorSubspace | None = None
     ) -> list[PrivacyEvent]:
         """What the run releases from this round through its last planned one, as this
-        site's ledger would record it, round by round."""
-        return [
-            event
-            for round_ in range(rc.round, rc.last_round + 1)
-            for event in self.round_events(replace(rc, round=round_), subspace)
-        ]
+        site's ledger would compose it: Langevin's steps each with their own sigma, round by
+        round; every other round releases what this one does, so its events repeat."""
+        rounds = range(rc.round, rc.last_round + 1)
+        if rc.privacy.is_langevin:
+            return [e for r in rounds for e in self.round_events(replace(rc, round=r), subspace)]
+        return [replace(e, steps=e.steps * len(rounds)) for e in self.round_events(rc, subspace)]
 
     def langevin_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
         """A Langevin round's events: step-dependent and dependent on this site's size."""

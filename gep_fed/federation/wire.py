@@ -32,12 +32,14 @@ from gep_fed.validation import (
     BASIS_DTYPES,
     LEARNING_RATE,
     MOMENTUM,
+    ROUNDS,
     ConfigError,
 )
 
 # 2: the round config carries the privacy contract as "privacy.*" keys; refusals are codes.
 # 3: no model spec in the round config (the run's task builds the model at both ends).
 # 4: the round config carries augmentation_copies.
+# 5: the round config carries last_round (a site refuses a run it cannot finish).
 PROTOCOL_VERSION = 5
 
 # Record names in a message's RecordDict.
@@ -158,8 +160,9 @@ class RoundConfig:
 
     Attributes:
         round: the federated round (from 1; strictly increasing within a run).
-        last_round: the run's last planned round (>= ``round``): a site refuses, before
-            recording anything, a run whose remaining rounds its budget cannot hold.
+        last_round: the run's last planned round (``round`` to 100,000 rounds ahead): a site
+            refuses, before recording anything, a run whose remaining rounds its budget
+            cannot hold.
         mode: "central" (site sends unnoised clipped sums to a trusted server), "client"
             (site adds its own noise, takes ``local_steps`` steps, sends a noisy model delta)
             or "distributed" (site sends its quantised noised share, masked for the secure sum).
@@ -230,7 +233,7 @@ class RoundConfig:
         # the same declared ranges as the run's configuration (FederationConfig)
         checks = {
             "round": AT_LEAST_ONE.contains(cfg.round),
-            "last_round": cfg.last_round >= cfg.round,
+            "last_round": ROUNDS.contains(cfg.last_round - cfg.round + 1),
             "mode": cfg.mode in MODE_NAMES,
             "local_steps": AT_LEAST_ONE.contains(cfg.local_steps),
             "local_lr": LEARNING_RATE.contains(cfg.local_lr),
