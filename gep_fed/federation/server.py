@@ -17,7 +17,7 @@ import json
 import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -192,9 +192,11 @@ class FederationServer:
         configured last, or the last the budget holds when a given sigma would outspend it
         (the run stops there). The sites are told it, and refuse a run they cannot finish."""
         budget, last = self.ledger.budget_epsilon, self.cfg.rounds
+        one_round = self.round_events(round_)  # every round releases alike
 
         def fits(through: int) -> bool:
-            events = [e for r in range(round_, through + 1) for e in self.round_events(r)]
+            rounds = through - round_ + 1
+            events = [replace(e, steps=e.steps * rounds) for e in one_round]
             return self.ledger.epsilon_after(events) <= budget
 
         if budget is None or self.langevin or fits(last):
