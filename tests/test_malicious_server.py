@@ -180,6 +180,8 @@ def test_a_last_round_beyond_the_budget_is_refused_at_once_and_an_early_one_buys
     announced shorter; in another run, announced early (a lie to get in), the site still
     admits one round at a time within its budget, as it would anyway."""
     server = make_server(tmp_path, digits)
+    reply, _ = answer(round_message(server, 1, {"last_round": 100_001}), hospital, server.cfg)
+    assert refused(reply, "malformed round")  # a plan longer than any site would build
     reply, context = answer(round_message(server, 1, {"last_round": 10_000}), hospital, server.cfg)
     assert refused(reply, "over budget")
     reply, _ = answer(round_message(server, 2, {"last_round": 2}), hospital, server.cfg, context)
