@@ -188,6 +188,35 @@ def test_a_site_refuses_at_round_one_a_run_its_budget_cannot_finish_and_spends_n
     assert PrivacyLedger.load(ledger.path).steps == steps  # what the file holds
 
 
+def test_a_langevin_site_plans_its_step_dependent_releases_round_by_round(tmp_path):
+    """Langevin's sigma changes with the step: a budget that holds exactly rounds 1-3 as the
+    ledger records them admits a three-round run in every round and refuses a four-round
+    run at round 1 (one round's releases repeated would misjudge both)."""
+    task = DigitsTask(TaskSettings(num_public=100, model="linear"))
+    server = make_server(
+        tmp_path, task, mode="client", mechanism="langevin", model="linear", rounds=4
+    )
+    rc = server.plan_round(1).config
+    assert rc.last_round == 4  # a Langevin server leaves the budget to the sites' ledgers
+    data = task.train_dataset()
+    probe = Site("s", task.build_model(), data, TRUSTING, ledger=PrivacyLedger(1e-5))
+    by_round = [probe.round_events(replace(rc, round=r)) for r in (1, 2, 3)]
+    sigmas = [[e.noise_multiplier for e in events] for events in by_round]
+    assert sigmas[0] != sigmas[2]  # step-dependent
+    budget = epsilon_rdp([e for events in by_round for e in events], 1e-5)
+    ledger = PrivacyLedger(1e-5, budget_epsilon=budget, owner="s")
+    site = Site("s", task.build_model(), data, SitePolicy(budget, 1e-5), ledger=ledger)
+    site.load_state(server.model.state_dict())
+    with pytest.raises(RoundRefused, match="over budget"):
+        site.run_round(rc, None)
+    assert ledger.steps == 0
+    last = None
+    for round_ in (1, 2, 3):
+        site.run_round(replace(rc, round=round_, last_round=3), None, last)
+        last = round_
+    assert ledger.epsilon() == pytest.approx(budget)
+
+
 def test_the_server_announces_the_last_round_its_own_budget_holds(tmp_path, digits):
     """A given sigma whose five rounds outspend the target: the server plans (and tells the
     sites) the two rounds its budget holds; a budget that holds every round plans them all."""
