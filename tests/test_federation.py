@@ -158,7 +158,14 @@ def test_a_site_refuses_at_round_one_a_run_its_budget_cannot_finish_and_spends_n
     round, with nothing recorded; a three-round run is admitted in every round (no round
     refused early), and a fourth round after it is not."""
     server = make_server(
-        tmp_path, digits, mode="client", noise_multiplier=1.0, rounds=4, target_epsilon=100.0
+        tmp_path,
+        digits,
+        mode="client",
+        mechanism="gp",
+        noise_multiplier=1.0,
+        rounds=4,
+        local_steps=2,
+        target_epsilon=100.0,
     )
     plan = server.plan_round(1)
     assert plan.config.last_round == 4
@@ -194,7 +201,7 @@ def test_a_langevin_site_plans_its_step_dependent_releases_round_by_round(tmp_pa
     run at round 1 (one round's releases repeated would misjudge both)."""
     task = DigitsTask(TaskSettings(num_public=100, model="linear"))
     server = make_server(
-        tmp_path, task, mode="client", mechanism="langevin", model="linear", rounds=4
+        tmp_path, task, mode="client", mechanism="langevin", model="linear", rounds=4, local_steps=2
     )
     rc = server.plan_round(1).config
     assert rc.last_round == 4  # a Langevin server leaves the budget to the sites' ledgers
