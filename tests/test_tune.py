@@ -25,7 +25,7 @@ from gep_fed.federation.tuning import (
     calibrate_trial_epsilon,
     candidates_from_toml,
 )
-from gep_fed.flower import simulation
+from gep_fed.flower import search
 from gep_fed.flower.simulation import SimulationResult
 from gep_fed.flower.tuning import OUTSIDE, TuneInterrupted, tune
 from gep_fed.validation import ConfigError
@@ -259,6 +259,21 @@ def test_site_scores_need_both_options_and_the_tunings_own_keys():
         site_score(argparse.Namespace(site_validation=0.2, score_noise=None))
 
 
+def per_trial(simulate):
+    """A stand-in for ``search.simulate_search`` that runs each trial with ``simulate`` (a
+    stand-in for one trial's run), in order, until ``on_trial`` stops the search."""
+
+    def simulate_search(specs, on_trial, **options):
+        for spec in specs:
+            scored = {"score_sites": True} if spec.score_sites else {}
+            sites = dict(spec.site_settings) or None
+            sim = simulate(spec.fed, site_settings=sites, **options, **scored)
+            if not on_trial(spec, sim):
+                return
+
+    return simulate_search
+
+
 def canned_simulate(scores: dict[float, float], calls: list):
     """A stand-in for ``simulate``: validation scores by server_lr, a test score that would
     pick another candidate (it must never be used to choose)."""
@@ -301,7 +316,7 @@ def three_step_sizes(out: Path) -> TuneConfig:
 
 def test_tune_chooses_the_best_validation_score_and_reports_every_trial(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(simulation, "simulate", canned_simulate(THREE_SCORES, calls))
+    monkeypatch.setattr(search, "simulate_search", per_trial(canned_simulate(THREE_SCORES, calls)))
     config = three_step_sizes(tmp_path / "tune")
     lines = []
     result = tune(config, rng=random.Random(5), log=lines.append)
@@ -418,7 +433,9 @@ def test_the_command_line_tunes_from_a_candidates_file(tmp_path, monkeypatch, ca
     from gep_fed.cli.main import main
 
     calls = []
-    monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
+    monkeypatch.setattr(
+        search, "simulate_search", per_trial(canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
+    )
     path = two_candidates_file(tmp_path, "local-steps = 2\n")
     out = tmp_path / "tune"
     args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "2", "--out"]
@@ -447,7 +464,7 @@ def test_the_command_line_fails_when_no_trial_finished(tmp_path, monkeypatch, ca
         rows = [{"round": 1, "applied": False, "sites_ok": 0, "val_accuracy": 0.1}]
         return SimulationResult(run.path, rows, None, 0.0, {})
 
-    monkeypatch.setattr(simulation, "simulate", failing)
+    monkeypatch.setattr(search, "simulate_search", per_trial(failing))
     path = tmp_path / "candidates.toml"
     path.write_text("[base]\nnum-public = 100\nrounds = 1\nsample-rate = 1.0\n[[candidate]]\n")
     args = ["tune", "--task", TASK, "--candidates", str(path), "--out", str(tmp_path / "t")]
@@ -463,7 +480,8 @@ def test_the_command_line_fails_when_no_trial_finished(tmp_path, monkeypatch, ca
 @pytest.mark.slow
 def test_the_task_guides_first_run_tunes_the_hospital_example(tmp_path, monkeypatch, capsys):
     """docs/tasks.md's first run, as written, on the worked example: three hospitals' PNG
-    folders of 60 PneumoniaMNIST images each, 2 rounds a trial."""
+    folders of 60 PneumoniaMNIST images each, 2 rounds a trial, its three candidates (two
+    models) one after another in one Flower simulation on Ray."""
     import re
     import tomllib
 
@@ -504,7 +522,7 @@ def test_the_task_guides_first_run_tunes_the_hospital_example(tmp_path, monkeypa
     args[args.index("--candidates") + 1] = str(small)
     monkeypatch.chdir(root)
     out = tmp_path / "tune"
-    command = [*args, *sites, "--engine", "in-process", "--out", str(out)]
+    command = [*args, *sites, "--out", str(out)]  # as written: the Simulation Engine (Ray)
     assert main(command) == 0, capsys.readouterr()
     printed = capsys.readouterr().out
     for n in (1, 2, 3):
@@ -574,7 +592,9 @@ def test_a_random_number_of_trials_is_one_selection_in_every_sites_ledger(tmp_pa
     from gep_fed.accounting.selection import TruncatedNegativeBinomial
 
     calls = []
-    monkeypatch.setattr(simulation, "simulate", canned_simulate({0.5: 0.6, 2.0: 0.8}, calls))
+    monkeypatch.setattr(
+        search, "simulate_search", per_trial(canned_simulate({0.5: 0.6, 2.0: 0.8}, calls))
+    )
     config = TuneConfig(
         base(mode="central", rounds=4),
         [{"server-lr": 0.5}, {"server-lr": 2.0, "mechanism": "gp"}],
@@ -625,7 +645,7 @@ def test_a_site_whose_budget_cannot_hold_the_selection_refuses_it_before_any_tri
     tmp_path, monkeypatch
 ):
     calls = []
-    monkeypatch.setattr(simulation, "simulate", canned_simulate({0.5: 0.6}, calls))
+    monkeypatch.setattr(search, "simulate_search", per_trial(canned_simulate({0.5: 0.6}, calls)))
     config = TuneConfig(
         base(mode="central"),
         [{"server-lr": 0.5}],
@@ -648,7 +668,9 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
     from gep_fed.cli.main import main
 
     calls = []
-    monkeypatch.setattr(simulation, "simulate", canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
+    monkeypatch.setattr(
+        search, "simulate_search", per_trial(canned_simulate({1.0: 0.5, 3.0: 0.9}, calls))
+    )
     path = two_candidates_file(tmp_path)
     args = ["tune", "--task", TASK, "--candidates", str(path), "--epsilon", "4"]
     args += ["--random-trials", "2", "--trials-law", "logarithmic"]
@@ -683,7 +705,7 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
 ):
     calls = []
     fake = canned_simulate(THREE_SCORES, calls)
-    monkeypatch.setattr(simulation, "simulate", interrupting(fake, 3, calls))
+    monkeypatch.setattr(search, "simulate_search", per_trial(interrupting(fake, 3, calls)))
     out = tmp_path / "tune"
     config = three_step_sizes(out)
     with pytest.raises(TuneInterrupted) as stop:
@@ -700,7 +722,7 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
         tune(replace(config, target_epsilon=2.0))
     # the same settings resume it: the plan on disk (not a new draw), from trial 3; and
     # once more from the reference's second candidate
-    monkeypatch.setattr(simulation, "simulate", interrupting(fake, 4, calls))
+    monkeypatch.setattr(search, "simulate_search", per_trial(interrupting(fake, 4, calls)))
     with pytest.raises(TuneInterrupted, match="in the reference's candidate 2 of 3"):
         tune(config, rng=random.Random(99))
     result = tune(config, rng=random.Random(99))
@@ -719,7 +741,7 @@ def test_a_resumed_random_search_records_its_selection_once(tmp_path, monkeypatc
     seed = next(s for s in range(100) if geometric(3.0).sample(random.Random(s)) >= 2)
     calls = []
     fake = canned_simulate({0.5: 0.6, 2.0: 0.8}, calls)
-    monkeypatch.setattr(simulation, "simulate", interrupting(fake, 2, calls))
+    monkeypatch.setattr(search, "simulate_search", per_trial(interrupting(fake, 2, calls)))
     config = TuneConfig(
         base(mode="central"),
         [{"server-lr": 0.5}, {"server-lr": 2.0}],

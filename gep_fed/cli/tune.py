@@ -40,14 +40,15 @@ def add_tune_parser(sub) -> None:
         "tune",
         help="choose among declared settings privately: each trial a federated run, all "
         "within one total budget that every site's ledger records",
-        description="Run T trials, each a federated simulation of one declared candidate, "
-        "all sharing one total privacy budget (each trial gets the same calibrated share, "
-        "and every site's ledger records every trial it took part in and refuses one beyond "
-        "its budget; with --random-trials, in central mode, a secret random number of trials "
-        "accounted as one selection). The candidate whose run scores best on the server's "
-        "own validation data (with --site-validation: on the sites' noised counts) is "
-        "chosen; its model and test figures are reported, never used to choose. "
-        "Writes tune.json and tune.md. Exit status 1 when no trial finished.",
+        description="Run T trials, one after another in one federated simulation, each a "
+        "federated run of one declared candidate, all sharing one total privacy budget "
+        "(each trial gets the same calibrated share, and every site's ledger records every "
+        "trial it took part in and refuses one beyond its budget; with --random-trials, in "
+        "central mode, a secret random number of trials accounted as one selection). The "
+        "candidate whose run scores best on the server's own validation data (with "
+        "--site-validation: on the sites' noised counts) is chosen; its model and test "
+        "figures are reported, never used to choose. Writes tune.json and tune.md. Exit "
+        "status 1 when no trial finished.",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -132,7 +133,7 @@ def add_tune_parser(sub) -> None:
         "--engine",
         choices=("ray", "in-process"),
         default="ray",
-        help="how each trial's simulation runs (as gep-fed simulate's)",
+        help="how the search's simulation runs (as gep-fed simulate's)",
     )
     p.add_argument("--run-dir", help="where the tuning's folder goes (default: runs)")
     p.add_argument(

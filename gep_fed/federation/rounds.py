@@ -299,11 +299,14 @@ class SecureSumRound:
 # -- the run ---------------------------------------------------------------------------------
 
 
-def open_server(fed: FederationConfig, run_id: int | str) -> FederationServer:
+def open_server(
+    fed: FederationConfig, run_id: int | str, round_offset: int = 0
+) -> FederationServer:
     """The federation server for ``fed``: its run directory (new, or resumed if it has a
     checkpoint and was started with the same settings), the task's public anchors and server
     test set, its noise and ledger. ``run_id`` names the run directory when ``fed.run_name``
-    is empty. Raises ``ValueError`` when the run directory was started with other settings."""
+    is empty; ``round_offset`` is ``FederationServer``'s. Raises ``ValueError`` when the run
+    directory was started with other settings."""
     run = RunDirectory(fed.run_directory(run_id))
     fresh = not run.path.exists()
     run.path.mkdir(parents=True, exist_ok=True)
@@ -313,7 +316,7 @@ def open_server(fed: FederationConfig, run_id: int | str) -> FederationServer:
         if total is None and fed.noise_mode.server_steps:  # a simulation: the pooled data
             total = len(task.train_dataset())
             log.info("total-examples not declared: the simulation's pooled size N=%d", total)
-        server = FederationServer(fed, task, run, total)
+        server = FederationServer(fed, task, run, total, round_offset=round_offset)
     except BaseException:
         if fresh:  # a run that never started leaves no empty run directory behind
             shutil.rmtree(run.path, ignore_errors=True)
@@ -513,7 +516,7 @@ class RoundLoop:
         meta = content.config(wire.REPLY_META)
         if meta is None:
             raise wire.WireError(sender, wire.REPLY_META, "missing")
-        wire.check_reply_meta(meta, sender, rnd, self.cfg.mode)
+        wire.check_reply_meta(meta, sender, self.server.wire_round(rnd), self.cfg.mode)
         metrics = _metrics(reply)
         if self.mode.server_steps:
             sums = content.arrays(wire.CLIPPED_SUMS)
@@ -604,7 +607,7 @@ class RoundLoop:
         try:
             if meta is None:
                 raise wire.WireError(sender, wire.REPLY_META, "missing")
-            wire.check_reply_meta(meta, sender, rnd, self.cfg.mode)
+            wire.check_reply_meta(meta, sender, self.server.wire_round(rnd), self.cfg.mode)
         except wire.WireError as err:
             return str(err)
         return None
@@ -620,7 +623,8 @@ class RoundLoop:
         """The round's secure sum (``SecureSumRound``), its failures logged and kept as the
         round's ``rejected``, the basis of each site that contributed noted."""
         bits = self.server.contract.quantization_bits
-        result = SecureSumRound(grid, rnd, bits, self.shares_needed, timeout=timeout).run(
+        numbered = self.server.wire_round(rnd)  # the round the sites sign and mask
+        result = SecureSumRound(grid, numbered, bits, self.shares_needed, timeout=timeout).run(
             requests, lambda node, reply: self.share_problem(rnd, node, reply)
         )
         for failure in result.failures:

@@ -96,6 +96,9 @@ class FederationServer:
         observers: release observers (``gep_fed.mechanisms.observer``): each sees every
             central release once the server's noise is added. The server forms no clipped
             sums, so it asks none of them for rows. Never attached in a real run.
+        round_offset: added to every round number the sites see (``wire_round``): a
+            search's trials share one Flower run, whose rounds must keep increasing at every
+            site (``gep_fed.flower.search``). 0 for a run of its own.
     """
 
     def __init__(
@@ -106,9 +109,11 @@ class FederationServer:
         total_examples: int | None,
         *,
         observers: Iterable[ReleaseObserver] = (),
+        round_offset: int = 0,
     ) -> None:
         self.cfg = cfg
         self.run = run
+        self.round_offset = round_offset
         self.task = task
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)  # the initial model (public)
@@ -207,6 +212,10 @@ class FederationServer:
             held, over = (middle, over) if fits(middle) else (held, middle)
         return held
 
+    def wire_round(self, round_: int) -> int:
+        """Round ``round_`` of this run as the sites number it (``round_offset`` added)."""
+        return self.round_offset + round_
+
     # -- one round ---------------------------------------------------------------------
 
     def plan_round(self, round_: int) -> RoundPlan:
@@ -249,8 +258,8 @@ class FederationServer:
             self.basis_id = basis_id
             anchor_seconds, proj_err = result.seconds, result.projection_error
         rc = RoundConfig(
-            round=round_,
-            last_round=self.last_round(round_),
+            round=self.wire_round(round_),
+            last_round=self.wire_round(self.last_round(round_)),
             mode=cfg.mode,
             privacy=self.contract,
             local_steps=cfg.local_steps,
@@ -320,8 +329,8 @@ class FederationServer:
         step, account."""
         self.ledger.check_budget(self.round_events(round_))
         residual = None if self.mechanism.name == "bgep" else self.layout.size
-        noisy = self.contract.distributed_noise.decode(
-            modular_sum, self.mechanism, round_, (self.num_basis, residual)
+        noisy = self.contract.distributed_noise.decode(  # the rotation the sites used
+            modular_sum, self.mechanism, self.wire_round(round_), (self.num_basis, residual)
         )
         self._step(
             round_,

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,9 @@ from gep_fed.validation import ConfigError
 
 log = logging.getLogger("gep_fed.federation.site")
 
-# One Site per (run, node) in this process: data is loaded once, not every round.
-_SITES: dict[tuple[int, int], tuple[Site, SiteConfig]] = {}
+# One Site per (run, node, trial) in this process: data is loaded once, not every round (a
+# search's trial: the latest one per node is kept).
+_SITES: dict[tuple[int, int, int], tuple[Site, SiteConfig]] = {}
 BASIS_ID_KEY = "basis-id"
 BASIS_DTYPE_KEY = "basis-dtype"  # how the held basis is stored
 LAST_ROUND_KEY = "last-round"
@@ -81,14 +83,63 @@ def _arrays(values: dict) -> ArrayRecord:
     return ArrayRecord({name: Array(value) for name, value in values.items()})
 
 
-def _site(context: Context, fed: FederationConfig | None, simulation: Mapping | None) -> Site:
-    """This node's site, built on its first round of the run.
+@dataclass(frozen=True)
+class SimulatedTrial:
+    """A search's trial as its simulated sites serve it (``gep_fed.flower.search``): the
+    rounds it numbers (``first`` to ``last``, run-wide), its settings and the simulated
+    sites' own (node-config keys: its budget and ledger folder)."""
+
+    number: int
+    first: int
+    last: int
+    fed: FederationConfig
+    settings: Mapping
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a simulated site serves a message for: the run's settings and its own, the
+    trial (0: a run of its own) that keys its ``Site``, and the rounds before the trial's."""
+
+    fed: FederationConfig | None
+    simulation: Mapping | None
+    trial: int = 0
+    offset: int = 0
+
+
+def _served(
+    msg: Message,
+    context: Context,
+    fed: FederationConfig | None,
+    simulation: Mapping | None,
+    trials: Sequence[SimulatedTrial] | None,
+) -> Served:
+    """A simulated search's trial of the message: by the round it names (a train or secure
+    sum stage) or, for a score query, by the last round this node served. Outside a search
+    (or at a deployed site, which takes nothing from it), the settings as given."""
+    if not trials or not SiteConfig.is_simulated(context.node_config):
+        return Served(fed, simulation)
+    records = msg.content.config_records
+    round_ = records.get(wire.ROUND_CONFIG, records.get(SECURE_SUM, {})).get("round")
+    if round_ is None:
+        round_ = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
+    for trial in trials:
+        if isinstance(round_, int) and trial.first <= round_ <= trial.last:
+            return Served(trial.fed, trial.settings, trial.number, trial.first - 1)
+    raise wire.RoundRefused("malformed round")  # a round of no planned trial
+
+
+def _site(context: Context, served: Served) -> Site:
+    """This node's site, built on its first round of the run (of a search's trial).
 
     A deployed site is built from its node config alone: its own task (pinned there, never
     the run config's string), model, data path and memory bound. A simulated site is the
     local user's stand-in and trains the simulation's task and partition."""
-    key = (context.run_id, context.node_id)
+    fed, simulation = served.fed, served.simulation
+    key = (context.run_id, context.node_id, served.trial)
     if key not in _SITES:
+        for old in [k for k in _SITES if k[:2] == key[:2]]:  # an earlier trial's site
+            del _SITES[old]
         simulated = SiteConfig.is_simulated(context.node_config)
         if simulated:
             fed = fed if fed is not None else FederationConfig.from_record(context.run_config)
@@ -141,7 +192,7 @@ def served_sites(
     try:
         for node, site in sites.items():
             context = contexts[node]
-            key = (context.run_id, context.node_id)
+            key = (context.run_id, context.node_id, 0)
             run_directory = fed.run_directory(context.run_id)
             cfg = SiteConfig.from_node_config(context.node_config, simulation, run_directory)
             _SITES[key] = (site, cfg)
@@ -241,17 +292,15 @@ def _held_dtype(record, rc: wire.RoundConfig) -> str:
     return "float32" if wire.is_anchor_record(record) else rc.basis_dtype
 
 
-def _train(
-    msg: Message, context: Context, fed: FederationConfig | None, simulation: Mapping | None
-) -> Message:
-    admit_task(context, fed)
+def _train(msg: Message, context: Context, served: Served) -> Message:
+    admit_task(context, served.fed)
     rc = wire.RoundConfig.from_record(msg.content.config_records[wire.ROUND_CONFIG])
-    site = _site(context, fed, simulation)
+    site = _site(context, served)
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     # Policy and layout first: a refused round changes nothing the site holds.
     site.admit(rc, last_round)
     if rc.noise_mode.secure_sum:  # a share leaves only masked, after the keys are checked
-        agreement = _checked_keys(msg, context, rc, site)
+        agreement = _checked_keys(msg, context, rc, site, served)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
     subspace, received = _basis(msg, context, rc, site)
@@ -288,15 +337,15 @@ def _train(
     return Message(content=content, reply_to=msg)
 
 
-def _advertise(msg: Message, context: Context, fed: FederationConfig | None, simulation) -> Message:
+def _advertise(msg: Message, context: Context, served: Served) -> Message:
     """The secure sum's first stage: a fresh agreement key for the round, signed with the
     site's key and kept (private part) until the collect stage."""
-    admit_task(context, fed)
+    admit_task(context, served.fed)
     record = msg.content.config_records[SECURE_SUM]
     round_ = record.get("round")
     if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 1:
         raise wire.RoundRefused("malformed round")
-    site = _site(context, fed, simulation)
+    site = _site(context, served)
     if not site.policy.accepts_secure_sum:
         raise wire.RoundRefused("mode not allowed")
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
@@ -305,7 +354,7 @@ def _advertise(msg: Message, context: Context, fed: FederationConfig | None, sim
     declined = context.state.config_records.get(DECLINED_KEY, {}).get(DECLINED_KEY)
     if declined is not None and round_ <= declined:
         raise wire.RoundRefused("over budget")  # the run it refused: no key for its rounds
-    cfg = _SITES[(context.run_id, context.node_id)][1]
+    cfg = _SITES[(context.run_id, context.node_id, served.trial)][1]
     private, signed = advertise(cfg.site_key(), msg.metadata.run_id, round_)
     context.state[AGREEMENT_KEY] = ConfigRecord(
         {"round": round_, "private": private, "signed": b"".join(signed.as_list())}
@@ -315,7 +364,7 @@ def _advertise(msg: Message, context: Context, fed: FederationConfig | None, sim
 
 
 def _checked_keys(
-    msg: Message, context: Context, rc: wire.RoundConfig, site: Site
+    msg: Message, context: Context, rc: wire.RoundConfig, site: Site, served: Served
 ) -> tuple[bytes, SignedKey, list[SignedKey]]:
     """The collect stage's keys, checked against this site's pinned peers and noise split
     before anything is computed; the round's agreement key is erased from the site's state
@@ -334,24 +383,22 @@ def _checked_keys(
         raise wire.RoundRefused("malformed round") from None
     signed = held["signed"]
     own = SignedKey(signed[:32], signed[32:64], signed[64:])
-    cfg = _SITES[(context.run_id, context.node_id)][1]
+    cfg = _SITES[(context.run_id, context.node_id, served.trial)][1]
     check_keys(
         keys, own, cfg.pinned_peers(), msg.metadata.run_id, rc.round, site.policy.sites_needed()
     )
     return held["private"], own, keys
 
 
-def _score(
-    msg: Message, context: Context, fed: FederationConfig | None, simulation: Mapping | None
-) -> Message:
+def _score(msg: Message, context: Context, served: Served) -> Message:
     """The served model's noised per-class counts on the site's held-out examples, if the
     site's node config releases a score (``Site.score_counts``)."""
-    admit_task(context, fed)
+    admit_task(context, served.fed)
     record = msg.content.config_records.get(wire.SCORE_REQUEST)
     if record is None:
         raise wire.RoundRefused("malformed round")
     classes = wire.check_score_request(record)
-    site = _site(context, fed, simulation)
+    site = _site(context, served)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
     counts = site.score_counts(classes)
@@ -364,16 +411,19 @@ def handle_query(
     context: Context,
     fed: FederationConfig | None = None,
     simulation: Mapping | None = None,
+    trials: Sequence[SimulatedTrial] | None = None,
 ) -> Message:
     """A score query at this site. Never raises: a refusal or failure is a reply with a
     fixed reason code, its detail logged here only."""
+    served = Served(fed, simulation)
     try:
-        reply = _score(msg, context, fed, simulation)
-        _note_simulated_outcome(msg, context, fed, simulation, "accepted", None, "score")
+        served = _served(msg, context, fed, simulation, trials)
+        reply = _score(msg, context, served)
+        _note_simulated_outcome(msg, context, served, "accepted", None, "score")
         return reply
     except Exception as err:
         reason, cause = _refusal_reason(err, context)
-    _note_simulated_outcome(msg, context, fed, simulation, reason, cause, "score")
+    _note_simulated_outcome(msg, context, served, reason, cause, "score")
     return refusal(msg, reason)
 
 
@@ -402,31 +452,34 @@ def handle_train(
     context: Context,
     fed: FederationConfig | None = None,
     simulation: Mapping | None = None,
+    trials: Sequence[SimulatedTrial] | None = None,
 ) -> Message:
     """One round at this site. Never raises: any refusal or failure is a reply with a
     fixed reason code, and its detail is logged here, at the site, only.
 
     ``fed``: the run's settings as the caller knows them (a simulation); None reads a
     simulated site's from the run config. A deployed site takes nothing from either but
-    the task's name, which must equal its node config's."""
+    the task's name, which must equal its node config's. ``trials``: a simulated search's
+    trials, each with its own settings (``SimulatedTrial``), instead of ``fed``."""
+    served = Served(fed, simulation)
     try:
+        served = _served(msg, context, fed, simulation, trials)
         stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
         if stage == ADVERTISE:
-            return _advertise(msg, context, fed, simulation)
-        reply = _train(msg, context, fed, simulation)
-        _note_simulated_outcome(msg, context, fed, simulation, "accepted", None)
+            return _advertise(msg, context, served)
+        reply = _train(msg, context, served)
+        _note_simulated_outcome(msg, context, served, "accepted", None)
         return reply
     except Exception as err:
         reason, cause = _refusal_reason(err, context)
-    _note_simulated_outcome(msg, context, fed, simulation, reason, cause)
+    _note_simulated_outcome(msg, context, served, reason, cause)
     return refusal(msg, reason)
 
 
 def _note_simulated_outcome(
     msg: Message,
     context: Context,
-    fed: FederationConfig | None,
-    simulation: Mapping | None,
+    served: Served,
     outcome: str,
     cause: str | None,
     stage: str = "round",
@@ -437,13 +490,19 @@ def _note_simulated_outcome(
     node = context.node_config
     if not SiteConfig.is_simulated(node):
         return
+    fed, simulation = served.fed, served.simulation
     try:
         fed = fed if fed is not None else FederationConfig.from_record(context.run_config)
         run_sites = Path(fed.run_directory(context.run_id)) / "sites"
         folder = Path((simulation or {}).get("ledger-dir") or run_sites)
         site = str(node.get("site-id") or simulated_site_name({**(simulation or {}), **node}))
         record = msg.content.config_records.get(wire.ROUND_CONFIG, {})
-        row = {"round": record.get("round"), "node": context.node_id, "outcome": outcome}
+        round_ = record.get("round")
+        if served.trial and isinstance(round_, int):  # a search's trial: its own round
+            round_ -= served.offset
+        row = {"round": round_, "node": context.node_id, "outcome": outcome}
+        if served.trial:
+            row["trial"] = served.trial
         if stage != "round":  # a score query: no round of its own
             row["stage"] = stage
         if cause is not None:
@@ -461,22 +520,24 @@ def refusal(msg: Message, reason: str) -> Message:
 
 
 def make_client_app(
-    fed: FederationConfig | None = None, simulation: Mapping | None = None
+    fed: FederationConfig | None = None,
+    simulation: Mapping | None = None,
+    trials: Sequence[SimulatedTrial] | None = None,
 ) -> ClientApp:
     """A ClientApp for ``fed`` (None: a simulated site reads the run config). ``simulation``
-    is the simulated sites' own settings (node-config keys such as ``epsilon-budget``). A
-    deployed site's settings, its task included, come only from its node config: it never
-    builds a configuration from the run config, so no string the server sends is imported
-    there."""
+    is the simulated sites' own settings (node-config keys such as ``epsilon-budget``);
+    ``trials``, a simulated search's trials, each with its own of both. A deployed site's
+    settings, its task included, come only from its node config: it never builds a
+    configuration from the run config, so no string the server sends is imported there."""
 
     client = ClientApp()
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
-        return handle_train(msg, context, fed, simulation)
+        return handle_train(msg, context, fed, simulation, trials)
 
     @client.query()
     def query(msg: Message, context: Context) -> Message:
-        return handle_query(msg, context, fed, simulation)
+        return handle_query(msg, context, fed, simulation, trials)
 
     return client

@@ -94,7 +94,7 @@ def make_server_app(
         began = time.perf_counter()
         config = fed if fed is not None else FederationConfig.from_record(context.run_config)
         config.resolve()  # the privacy contract, sigma calibrated, before the first round
-        request = stop if stop is not None else _stop_on_flower_exit()
+        request = stop if stop is not None else stop_on_flower_exit()
         run = RunDirectory(config.run_directory(context.run_id))
         done = completed_rounds(run)
         strategy = GEPStrategy.from_config(
@@ -115,7 +115,7 @@ def make_server_app(
         if score_sites and interrupted is None and strategy.server.completed_rounds and not scored:
             strategy.loop.score_sites(FlowerGrid(grid), config.round_timeout)
         outcome = RunOutcome(strategy, interrupted)
-        _record_outcome(strategy, interrupted)
+        record_outcome(strategy, interrupted)
         if on_done is not None:
             on_done(outcome)
             return
@@ -144,7 +144,7 @@ def _stopping(on_round, request: StopRequest):
     return call
 
 
-def _stop_on_flower_exit() -> StopRequest:
+def stop_on_flower_exit() -> StopRequest:
     """A stop request set by Flower's exit handlers (``flwr stop``, SIGINT or SIGTERM to
     the process running the ServerApp), where Flower offers them."""
     request = StopRequest()
@@ -156,7 +156,7 @@ def _stop_on_flower_exit() -> StopRequest:
     return request
 
 
-def _record_outcome(strategy: GEPStrategy, interrupted: RunInterrupted | None) -> None:
+def record_outcome(strategy: GEPStrategy, interrupted: RunInterrupted | None) -> None:
     run = strategy.server.run
     run.write_json(
         OUTCOME,

@@ -48,6 +48,12 @@ class SimulationResult:
     seconds: float
     site_rounds: dict[str, list[dict]] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, run: RunDirectory, stop_reason: str | None, began: float) -> SimulationResult:
+        """A run as its run directory holds it, ``began`` (``time.perf_counter``) its start."""
+        seconds = time.perf_counter() - began
+        return cls(run.path, run.read_metrics(), stop_reason, seconds, read_site_rounds(run.path))
+
     def failures(self) -> list[str]:
         """One line per problem that makes the run a failure: rounds that did not update the
         model (too few valid replies), a site refused in every round it was asked (with its
@@ -195,6 +201,70 @@ def site_data_from_pairs(pairs: list[str] | None) -> dict[str, str] | None:
     return out
 
 
+def checked_simulation(
+    fed: FederationConfig,
+    engine: str,
+    site_data: Mapping[str, str] | None = None,
+    drop_bad_examples: bool = False,
+) -> FederationConfig:
+    """``fed`` as a simulation runs it, once its simulated sites' data passed
+    ``check_simulated_sites``: ``num_sites`` (and, in central mode, the declared N unless
+    given) from ``site_data``. Raises ``SiteCheckFailed`` (see ``simulate``)."""
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+    if site_data:
+        fed = replace(fed, num_sites=len(site_data), min_sites=min(fed.min_sites, len(site_data)))
+    problems = check_simulated_sites(fed, site_data)
+    bad = {site: found for site, found in problems.items() if found}
+    if bad and not drop_bad_examples:
+        raise SiteCheckFailed(_site_check_text(bad))
+    if site_data and fed.noise_mode.server_steps and fed.total_examples is None:
+        task = fed.make_task()
+        total = sum(len(task.site_dataset(path)) for path in site_data.values())
+        fed = replace(fed, total_examples=total)
+    return fed
+
+
+def launch(server_app, client_app, num_sites: int, engine: str, cpus_per_site: float) -> None:
+    """Run ``server_app`` with ``num_sites`` simulated nodes of ``client_app``: on Flower's
+    Simulation Engine (Ray) or in this process (``engine``, see ``simulate``)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if engine == "in-process":
+        from gep_fed.flower.in_process import run_in_process
+
+        run_in_process(server_app, client_app, num_sites)
+        return
+    from flwr.simulation import run_simulation
+
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=num_sites,
+        backend_config={
+            "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
+            "init_args": {"num_cpus": max(1, os.cpu_count() or 1), "include_dashboard": False},
+        },
+    )
+
+
+@contextmanager
+def quiet_flower(stop: StopRequest, committed: list[int], resume: str):
+    """While a simulation runs: gep_fed's INFO lines shown, Flower's chatter and deprecation
+    notices hidden, and the first Ctrl-C a stop request (``_first_interrupt_stops``)."""
+    logging.getLogger("gep_fed").setLevel(logging.INFO)
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    flwr_log.setLevel(logging.ERROR)  # Flower's deprecation notice and debug chatter
+    try:
+        with warnings.catch_warnings(), _first_interrupt_stops(stop, committed, resume):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        flwr_log.setLevel(level)
+
+
 def simulate(
     fed: FederationConfig,
     progress: bool = True,
@@ -234,25 +304,8 @@ def simulate(
     they hold out (their ``validation-fraction`` and ``score-noise``), into the run
     directory's ``site_score.json``.
     """
-    if engine not in ENGINES:
-        raise ConfigError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
-    if site_data:
-        fed = replace(fed, num_sites=len(site_data), min_sites=min(fed.min_sites, len(site_data)))
-    problems = check_simulated_sites(fed, site_data)
-    bad = {site: found for site, found in problems.items() if found}
-    if bad and not drop_bad_examples:
-        raise SiteCheckFailed(_site_check_text(bad))
-    if site_data and fed.noise_mode.server_steps and fed.total_examples is None:
-        task = fed.make_task()
-        total = sum(len(task.site_dataset(path)) for path in site_data.values())
-        fed = replace(fed, total_examples=total)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    from flwr.simulation import run_simulation
-
+    fed = checked_simulation(fed, engine, site_data, drop_bad_examples)
     from gep_fed.flower.clientapp import make_client_app
-    from gep_fed.flower.in_process import run_in_process
     from gep_fed.flower.serverapp import completed_rounds, make_server_app
 
     resume = "rerun the same command"
@@ -271,40 +324,18 @@ def simulate(
         if on_round is not None:
             on_round(record)
 
-    logging.getLogger("gep_fed").setLevel(logging.INFO)
-    flwr_log = logging.getLogger("flwr")
-    level = flwr_log.level
-    flwr_log.setLevel(logging.ERROR)  # Flower's deprecation notice and debug chatter
-    try:
-        with warnings.catch_warnings(), _first_interrupt_stops(stop, committed, resume):
-            warnings.simplefilter("ignore", DeprecationWarning)
-            server_app = make_server_app(
-                fed,
-                progress,
-                on_committed,
-                on_done=lambda o: done.update(outcome=o),
-                stop=stop,
-                score_sites=score_sites,
-            )
-            sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
-            client_app = make_client_app(fed, sites)
-            if engine == "in-process":
-                run_in_process(server_app, client_app, fed.num_sites)
-            else:
-                run_simulation(
-                    server_app=server_app,
-                    client_app=client_app,
-                    num_supernodes=fed.num_sites,
-                    backend_config={
-                        "client_resources": {"num_cpus": cpus_per_site, "num_gpus": 0.0},
-                        "init_args": {
-                            "num_cpus": max(1, os.cpu_count() or 1),
-                            "include_dashboard": False,
-                        },
-                    },
-                )
-    finally:
-        flwr_log.setLevel(level)
+    with quiet_flower(stop, committed, resume):
+        server_app = make_server_app(
+            fed,
+            progress,
+            on_committed,
+            on_done=lambda o: done.update(outcome=o),
+            stop=stop,
+            score_sites=score_sites,
+        )
+        sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
+        client_app = make_client_app(fed, sites)
+        launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
     run = RunDirectory(fed.run_directory(""))
     if run.path.is_dir():
         formed = {"site-data": dict(site_data)} if site_data else {"shares": fed.partition}
@@ -314,11 +345,4 @@ def simulate(
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")
     if outcome.interrupted is not None:
         raise RunInterrupted(outcome.interrupted.completed_round, resume)
-    strategy = outcome.strategy
-    return SimulationResult(
-        run.path,
-        run.read_metrics(),
-        strategy.stop_reason,
-        time.perf_counter() - began,
-        read_site_rounds(run.path),
-    )
+    return SimulationResult.of(run, outcome.strategy.stop_reason, began)

@@ -113,6 +113,7 @@ class GEPStrategy(Strategy):
         *,
         progress: bool = True,
         on_round: Callable[[dict], None] | None = None,
+        round_offset: int = 0,
     ) -> GEPStrategy:
         """The strategy for ``fed``: its run directory (new, or resumed if it has a
         checkpoint and was started with the same settings), the task's public anchors and
@@ -126,6 +127,8 @@ class GEPStrategy(Strategy):
             run_id: names the run directory when ``fed.run_name`` is empty (a ServerApp
                 passes ``context.run_id``).
             progress, on_round: as for ``GEPStrategy``.
+            round_offset: added to the round numbers the sites see (a search's trial in a
+                Flower run shared with earlier trials: ``gep_fed.flower.search``).
 
         Raises:
             ValueError: the run directory was started with different settings.
@@ -149,7 +152,8 @@ class GEPStrategy(Strategy):
             # client_app.py: a site; its privacy policy and ledger come from its node config
             app = make_client_app()
         """
-        return cls(open_server(fed, run_id), progress=progress, on_round=on_round)
+        server = open_server(fed, run_id, round_offset)
+        return cls(server, progress=progress, on_round=on_round)
 
     def summary(self) -> None:
         """Log the run's mode, mechanism, noise, sampling, budget and run directory."""

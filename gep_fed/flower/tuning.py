@@ -1,9 +1,10 @@
-"""``tune``: a private selection's trials run as federated simulations (issue 53).
+"""``tune``: a private selection's trials run as one federated simulation (issue 53).
 
 The declaration and its budget are ``gep_fed.federation.tuning``'s (``TuneConfig``, the
-plan, the per-trial budget). Here each trial runs as a federated simulation, and the
-candidate whose run scores best on the server's own validation data is returned, with its
-model and its test figures.
+plan, the per-trial budget). Here the trials run one after another in one Flower run
+(``gep_fed.flower.search``: the sites check and record each trial as they do any round),
+and the candidate whose run scores best on the server's own validation data is returned,
+with its model and its test figures.
 
 What the sites record. A fixed number of trials: the simulated sites of every trial keep
 their ledgers in one folder, each site's budget the tuning's total, so a site refuses a trial
@@ -22,9 +23,10 @@ out, by noised per-class counts recorded in their ledgers (``TuneConfig.site_sco
 The plan is written to ``tune.json`` before the first trial: an interrupted tuning
 (``TuneInterrupted``) resumes from the trial it stopped in, with the same plan.
 
-A non-private reference (``reference=True``) runs every candidate once at the whole budget,
-each with fresh ledgers of its own, and picks the best on validation: what a non-private
-selection would have reported, labelled OUTSIDE THE GUARANTEE wherever it appears.
+A non-private reference (``reference=True``) runs every candidate once at the whole budget
+(one Flower run of its own), each with fresh ledgers of its own, and picks the best on
+validation: what a non-private selection would have reported, labelled OUTSIDE THE
+GUARANTEE wherever it appears.
 """
 
 from __future__ import annotations
@@ -70,10 +72,12 @@ from gep_fed.federation.tuning import (
     law_text,
 )
 from gep_fed.files import write_bytes_atomically
+from gep_fed.flower import search  # a module: tests replace its simulate_search
 from gep_fed.flower.interrupt import RunInterrupted
+from gep_fed.flower.search import TrialSpec
 from gep_fed.validation import ConfigError
 
-if TYPE_CHECKING:  # the module itself is imported per trial: tests replace its simulate
+if TYPE_CHECKING:
     from gep_fed.flower.simulation import SimulationResult
 
 TUNE_FORMAT = "gep-fed-tune/1"
@@ -290,20 +294,11 @@ def _settings_text(settings: Mapping[str, object]) -> str:
     return ", ".join(f"{k.replace('_', '-')}={v}" for k, v in settings.items()) or "(the base)"
 
 
-def _run_trial(
-    fed: FederationConfig,
-    site_settings: Mapping[str, object] | None,
-    simulate_options: Mapping[str, object],
-    score_sites: bool = False,
-):
-    from gep_fed.flower import simulation
-
-    options = {"progress": False, **simulate_options}
-    if score_sites:  # the sites score the final model on their held-out examples
-        options["score_sites"] = True
-    if site_settings is None:
-        return simulation.simulate(fed, **options)
-    return simulation.simulate(fed, site_settings=site_settings, **options)
+def _stopped_in(stop: RunInterrupted, specs: Sequence[TrialSpec], ended: int) -> int:
+    """The number of the trial a stop request ended: as the search names it, else the
+    first of ``specs`` that had not ended (``ended`` of them had)."""
+    trial = getattr(stop, "trial", None)
+    return trial if trial is not None else specs[min(ended, len(specs) - 1)].number
 
 
 def tune(
@@ -313,10 +308,11 @@ def tune(
     log: Callable[[str], None] | None = None,
     simulate_options: Mapping[str, object] | None = None,
 ) -> TuneResult:
-    """Run the tuning: plan the trials, calibrate their common budget, run each as a
-    federated simulation (``gep_fed.flower.simulation.simulate``) whose sites keep one ledger
-    each across all trials (a random K: the selection recorded once in each site's ledger,
-    and each trial's own ledgers), and choose the best on the server's validation data.
+    """Run the tuning: plan the trials, calibrate their common budget, run them one after
+    another in one Flower simulation (``gep_fed.flower.search.simulate_search``) whose sites
+    keep one ledger each across all trials (a random K: the selection recorded once in each
+    site's ledger, and each trial's own ledgers), and choose the best on the server's
+    validation data.
 
     Args:
         config: the candidates, the number of trials and the total budget (``TuneConfig``).
@@ -324,7 +320,8 @@ def tune(
             (None: the OS CSPRNG; a seeded one is for tests). It decides which candidates
             run, never any noise.
         log: called with one line per trial and per decision (None: silent).
-        simulate_options: passed to ``simulate`` (e.g. ``progress``, ``engine``).
+        simulate_options: passed to ``search.simulate_search`` (e.g. ``progress``,
+            ``engine``, ``site_data``).
 
     Returns:
         A ``TuneResult``; ``tune.json`` and ``tune.md`` are in its ``out_dir``.
@@ -361,10 +358,11 @@ def tune(
         trained = _trained_examples(base, site_settings, options)
     _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     # the plan is on disk before any trial: a resume runs the same one
+    fixed = config.random_trials is None  # one ledger per site, else the trial's own
+    specs = []
     for n, index in enumerate(plan, 1):
         if n <= len(trials) or stopped:
             continue
-        sigma = planner.trial(index, epsilon)[0]
         fed = replace(
             config.candidate_config(index, epsilon),
             run_dir=str(trials_dir),
@@ -372,17 +370,33 @@ def tune(
         )
         if trained is not None:
             fed = replace(fed, total_examples=trained)
-        fixed = config.random_trials is None  # one ledger per site, else the trial's own
-        ledgers = sites_dir if fixed else Path(fed.run_directory("")) / "sites"
-        before = _site_rows(ledgers)
-        try:
-            sim = _run_trial(fed, site_settings, options, config.site_score is not None)
-        except RunInterrupted as stop:
-            raise TuneInterrupted(f"trial {n} of {len(plan)}", stop.completed_round, out) from None
-        trial = _judged(config, n, index, epsilon, sigma, sim, _rows_since(ledgers, before))
+        specs.append(TrialSpec(n, fed, site_settings, config.site_score is not None))
+
+    def ledgers(spec: TrialSpec) -> Path:
+        return sites_dir if fixed else Path(spec.fed.run_directory("")) / "sites"
+
+    before = [_site_rows(ledgers(specs[0]))] if specs else []
+
+    def on_trial(spec: TrialSpec, sim: SimulationResult) -> bool:
+        nonlocal stopped
+        index = plan[spec.number - 1]
+        sigma = planner.trial(index, epsilon)[0]
+        rows = _rows_since(ledgers(spec), before[0])
+        trial = _judged(config, spec.number, index, epsilon, sigma, sim, rows)
         trials.append(trial)
         stopped = _announce(trial, len(plan), say)
         _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
+        following = specs.index(spec) + 1
+        if following < len(specs):  # the next trial's rows are those after this one's
+            before[0] = _site_rows(ledgers(specs[following]))
+        return stopped is None
+
+    ended = len(trials)
+    try:
+        search.simulate_search(specs, on_trial, **options)
+    except RunInterrupted as stop:
+        where = f"trial {_stopped_in(stop, specs, len(trials) - ended)} of {len(plan)}"
+        raise TuneInterrupted(where, stop.completed_round, out) from None
     reference = _reference(config, out, say, options) if config.reference else None
     result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference)
     result = replace(result, complete=True)
@@ -623,14 +637,14 @@ def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, ref
 def _reference(config: TuneConfig, out: Path, say, options) -> dict:
     """Every candidate once at the whole budget, fresh ledgers each: the best on validation
     is what a non-private selection would report (OUTSIDE THE GUARANTEE)."""
-    runs = []
-    for index, settings in enumerate(config.candidates):
+    specs = []
+    for index in range(len(config.candidates)):
         fed = replace(
             config.candidate_config(index),
             run_dir=str(out / "reference"),
             run_name=f"candidate-{index + 1:03d}",
         )
-        held_out = None
+        held_out = {}
         if config.site_score is not None:  # scored as the trials are, within the whole budget
             whole = calibrate_plan(TrialPlanner(config), [index], CALIBRATION_TOLERANCE)[0]
             fed = replace(fed, target_epsilon=whole)
@@ -640,21 +654,20 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
             }
             if fed.noise_mode.server_steps and fed.total_examples is None:
                 fed = replace(fed, total_examples=_trained_examples(fed, held_out, options))
-        try:
-            sim = _run_trial(fed, held_out, options, held_out is not None)
-        except RunInterrupted as stop:
-            where = f"the reference's candidate {index + 1} of {len(config.candidates)}"
-            raise TuneInterrupted(where, stop.completed_round, out) from None
+        specs.append(TrialSpec(index + 1, fed, held_out, config.site_score is not None))
+    runs = []
+
+    def on_trial(spec: TrialSpec, sim: SimulationResult) -> bool:
         score, best_round = _best(sim.metrics)
         ok = not (sim.stop_reason or rounds_not_applied(sim.metrics))
-        if held_out is not None:
+        if spec.score_sites:
             score = _site_score_of(Path(sim.run_dir), config.site_score.noise_std)[0]
             best_round = sim.metrics[-1]["round"] if score is not None else None
         ok = ok and score is not None
         runs.append(
             {
-                "candidate": index + 1,
-                "settings": dict(settings),
+                "candidate": spec.number,
+                "settings": dict(config.candidates[spec.number - 1]),
                 "validation_score": score,
                 "best_round": best_round,
                 "run_dir": str(sim.run_dir),
@@ -663,9 +676,18 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
             }
         )
         say(
-            f"reference ({OUTSIDE}): candidate {index + 1} at the whole budget: "
+            f"reference ({OUTSIDE}): candidate {spec.number} at the whole budget: "
             + (f"validation score {score:.4f}" if ok else "failed")
         )
+        return True
+
+    try:
+        search.simulate_search(specs, on_trial, **options)
+    except RunInterrupted as stop:
+        where = f"the reference's candidate {_stopped_in(stop, specs, len(runs))}"
+        raise TuneInterrupted(
+            f"{where} of {len(config.candidates)}", stop.completed_round, out
+        ) from None
     finished = [r for r in runs if r["finished"]]
     best = max(finished, key=lambda r: r["validation_score"], default=None)
     chosen = None

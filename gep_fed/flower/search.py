@@ -1,0 +1,204 @@
+"""A search's trials as one Flower run (``gep-fed tune``, issue 53).
+
+The ServerApp runs the trials one after another over the same grid, each a ``GEPStrategy``
+of its own settings with a run directory of its own. The sites check and record each trial
+as they do any round: the trial's round config (contract, layout, its last planned round)
+against their policy and their ledger, so a site refuses a trial its budget cannot finish,
+before it spends anything on it. A trial's rounds continue the numbering of the trials
+before it (``FederationServer.round_offset``): every site sees one run whose rounds keep
+increasing, so its replay guard, its refusal of a declined plan and the secure sum's
+signatures work across trials unchanged.
+
+What decides the search (the plan, each trial's budget, the choice) is the caller's
+(``gep_fed.flower.tuning``): it sees each trial as it ends (``on_trial``) and may stop the
+search there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.rundir import SITE_SCORE, SITES, RunDirectory
+from gep_fed.flower.clientapp import SimulatedTrial, make_client_app
+from gep_fed.flower.grid import FlowerGrid
+from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
+from gep_fed.flower.serverapp import completed_rounds, record_outcome, stop_on_flower_exit
+from gep_fed.flower.simulation import (
+    SimulationResult,
+    checked_simulation,
+    launch,
+    quiet_flower,
+    simulated_site_settings,
+)
+from gep_fed.flower.strategy import GEPStrategy
+from gep_fed.validation import ConfigError
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One trial of a search: its number in the plan (from 1), its settings (its own
+    ``run_dir``/``run_name``), its simulated sites' own settings over
+    ``simulated_site_settings`` (budget, ledger folder, held-out examples), and whether the
+    sites score its final model (``RoundLoop.score_sites``)."""
+
+    number: int
+    fed: FederationConfig
+    site_settings: Mapping[str, object] = field(default_factory=dict)
+    score_sites: bool = False
+
+
+# Sees each trial as it ends; False stops the search there.
+OnTrial = Callable[[TrialSpec, SimulationResult], bool]
+
+
+class SearchInterrupted(RunInterrupted):
+    """A stop request ended the search in trial ``trial`` after its round
+    ``completed_round``."""
+
+    def __init__(self, trial: int, completed_round: int, resume: str) -> None:
+        self.trial = trial
+        super().__init__(completed_round, resume)
+
+
+def trial_rounds(specs: Sequence[TrialSpec]) -> list[tuple[int, int]]:
+    """Each trial's rounds as the sites number them: ``(first, last)``, continuing the
+    trials before it (a resumed trial keeps its whole range: the run is a new one)."""
+    ranges, last = [], 0
+    for spec in specs:
+        ranges.append((last + 1, last + spec.fed.rounds))
+        last += spec.fed.rounds
+    return ranges
+
+
+def make_search_server_app(
+    specs: Sequence[TrialSpec],
+    on_trial: OnTrial,
+    outcome: dict,
+    progress: bool = False,
+    stop: StopRequest | None = None,
+    committed: list[int] | None = None,
+) -> ServerApp:
+    """A ServerApp that runs ``specs`` one after another over its grid, calling ``on_trial``
+    after each. ``outcome`` receives how it ended: ``interrupted`` (a ``SearchInterrupted``)
+    or ``error`` (an exception raised by a trial or by ``on_trial``), else ``finished``.
+    ``committed[0]`` follows the trial's last applied round (for a second Ctrl-C's line)."""
+    committed = committed if committed is not None else [0]
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        request = stop if stop is not None else stop_on_flower_exit()
+        try:
+            for spec, (first, _) in zip(specs, trial_rounds(specs), strict=True):
+                result = _run_trial(spec, first - 1, grid, context, progress, request, committed)
+                if not on_trial(spec, result):
+                    break
+            outcome["finished"] = True
+        except SearchInterrupted as stopped:
+            outcome["interrupted"] = stopped
+        except Exception as err:  # the caller raises it, with its own traceback
+            outcome["error"] = err
+
+    return server_app
+
+
+def _run_trial(
+    spec: TrialSpec,
+    offset: int,
+    grid: Grid,
+    context: Context,
+    progress: bool,
+    request: StopRequest,
+    committed: list[int],
+) -> SimulationResult:
+    began = time.perf_counter()
+    fed = spec.fed
+    committed[0] = completed_rounds(RunDirectory(fed.run_directory("")))
+
+    def stopping(record: dict) -> None:
+        committed[0] = record["round"] if record.get("applied") else committed[0]
+        if request.is_set():
+            raise RunInterrupted(record["round"])
+
+    strategy = GEPStrategy.from_config(
+        fed, context.run_id, progress=progress, on_round=stopping, round_offset=offset
+    )
+    run = strategy.server.run
+    try:
+        strategy.start(StoppableGrid(grid, request))
+    except RunInterrupted:
+        record_outcome(strategy, RunInterrupted(strategy.server.completed_rounds))
+        resume = "rerun the same command"
+        raise SearchInterrupted(spec.number, strategy.server.completed_rounds, resume) from None
+    scored = run.file(SITE_SCORE).exists()  # a finished trial rerun: asked once already
+    if spec.score_sites and strategy.server.completed_rounds and not scored:
+        strategy.loop.score_sites(FlowerGrid(grid), fed.round_timeout)
+    record_outcome(strategy, None)
+    return SimulationResult.of(run, strategy.stop_reason, began)
+
+
+def simulate_search(
+    specs: Sequence[TrialSpec],
+    on_trial: OnTrial,
+    *,
+    progress: bool = False,
+    cpus_per_site: float = 1.0,
+    site_data: Mapping[str, str] | None = None,
+    drop_bad_examples: bool = False,
+    engine: str = "ray",
+) -> None:
+    """Run a search's trials as one Flower simulation (one Simulation Engine, or this
+    process: ``engine``, as ``simulate``'s), calling ``on_trial`` after each.
+
+    Each trial's settings are checked first as ``simulate`` checks a run's (its sites'
+    data, its privacy contract resolved). Every trial must have the same number of sites.
+
+    Raises:
+        SearchInterrupted: the first Ctrl-C stopped the search (which trial, after which
+            round).
+        ConfigError: a trial's settings or its sites' data (as ``simulate``).
+        Exception: whatever a trial or ``on_trial`` raised.
+    """
+    if not specs:
+        return
+    checked = []
+    for spec in specs:
+        fed = checked_simulation(spec.fed, engine, site_data, drop_bad_examples)
+        fed.resolve()  # the privacy contract, sigma calibrated: an unreachable one stops here
+        checked.append(TrialSpec(spec.number, fed, spec.site_settings, spec.score_sites))
+    num_sites = {spec.fed.num_sites for spec in checked}
+    if len(num_sites) > 1:
+        raise ConfigError(f"a search's trials must have the same number of sites: {num_sites}")
+    trials = [
+        SimulatedTrial(
+            spec.number,
+            first,
+            last,
+            spec.fed,
+            {**simulated_site_settings(spec.fed, site_data), **spec.site_settings},
+        )
+        for spec, (first, last) in zip(checked, trial_rounds(checked), strict=True)
+    ]
+    outcome: dict = {}
+    stop = StopRequest()
+    committed = [0]
+    with quiet_flower(stop, committed, "rerun the same command"):
+        server_app = make_search_server_app(checked, on_trial, outcome, progress, stop, committed)
+        launch(server_app, make_client_app(trials=trials), num_sites.pop(), engine, cpus_per_site)
+    for spec in checked:
+        run = RunDirectory(spec.fed.run_directory(""))
+        if run.path.is_dir():
+            formed = {"site-data": dict(site_data)} if site_data else {"shares": spec.fed.partition}
+            run.write_json(SITES, formed)
+    if "error" in outcome:
+        raise outcome["error"]
+    if "interrupted" in outcome:
+        raise outcome["interrupted"]
+    if not outcome.get("finished"):
+        raise RuntimeError("the search ended without finishing its server app (see the log)")
