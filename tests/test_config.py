@@ -7,6 +7,7 @@ import pytest
 
 from gep_fed.data.registry import BUILT_IN_TASKS
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.tuning import SEARCH_RUN_CONFIG, run_settings, search_of_run_config
 from gep_fed.mechanisms.contract import PrivacyContract
 from gep_fed.mechanisms.step_config import GEPConfig
 from gep_fed.validation import ConfigError
@@ -15,10 +16,13 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_flower_run_config_in_pyproject_lists_every_field_and_leaves_each_to_the_resolution():
+    """Every FederationConfig field and every search key (``SEARCH_RUN_CONFIG``, none
+    given: one run), each left to the resolution."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     run_config = data["tool"]["flwr"]["app"]["config"]
-    assert run_config == FederationConfig.run_config_template()
-    assert FederationConfig.from_record(run_config) == FederationConfig.for_task()
+    assert run_config == {**FederationConfig.run_config_template(), **SEARCH_RUN_CONFIG}
+    assert run_settings(run_config) == FederationConfig.for_task()
+    assert search_of_run_config(run_config, 1) is None
 
 
 @pytest.mark.parametrize("task", sorted(BUILT_IN_TASKS))
@@ -31,7 +35,7 @@ def test_cli_flwr_run_and_library_resolve_the_same_settings_for_every_built_in_t
     from gep_fed.cli.main import build_parser, federation_config
 
     library = FederationConfig.for_task(task)
-    flwr_run = FederationConfig.from_record(get_fused_config_from_dir(ROOT, {"task": task}))
+    flwr_run = run_settings(get_fused_config_from_dir(ROOT, {"task": task}))
     for command in ("simulate", "compare"):
         cli = federation_config(build_parser().parse_args([command, "--task", task]))
         assert cli == library, command
@@ -41,7 +45,7 @@ def test_cli_flwr_run_and_library_resolve_the_same_settings_for_every_built_in_t
         assert getattr(library, key) == value
     given = FederationConfig.for_task(task, rounds=7, clip_residual=0.3)
     overridden = get_fused_config_from_dir(ROOT, {"task": task, "rounds": 7, "clip-residual": 0.3})
-    assert FederationConfig.from_record(overridden) == given
+    assert run_settings(overridden) == given
     args = build_parser().parse_args(
         ["simulate", "--task", task, "--rounds", "7", "--clip-residual", "0.3"]
     )

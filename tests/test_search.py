@@ -14,7 +14,13 @@ from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.tuning import TrialPlanner, TuneConfig
+from gep_fed.federation.policy import SIMULATED_SITE_DEFAULTS
+from gep_fed.federation.tuning import (
+    TrialPlanner,
+    TuneConfig,
+    run_settings,
+    search_of_run_config,
+)
 from gep_fed.flower import clientapp, search
 from gep_fed.flower.search import TrialSpec, simulate_search, trial_rounds
 from gep_fed.flower.tuning import tune
@@ -120,3 +126,152 @@ def test_an_error_in_a_trial_is_raised_to_the_caller_with_the_trials_before_it_k
         simulate_search(specs, judge, engine="in-process")
     assert (tmp_path / "trial-1" / "metrics.jsonl").exists()
     assert not (tmp_path / "trial-2").exists()
+
+
+# -- a search under flwr run: the run config names a candidates file ---------------------------
+
+ROOT = Path(__file__).parents[1]
+
+
+def candidates_file(tmp_path: Path) -> Path:
+    path = tmp_path / "candidates.toml"
+    path.write_text(
+        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nlocal-steps = 2\n"
+        "sample-rate = 1.0\nnum-sites = 2\nnoise-seed = 3\n\n"
+        "[[candidate]]\nserver-lr = 0.5\n\n[[candidate]]\nserver-lr = 2.0\n"
+    )
+    return path
+
+
+def flwr_run_config(overrides: dict) -> dict:
+    """The run config ``flwr run . --run-config ...`` gives the apps (Flower's own fusion)."""
+    from flwr.common.config import get_fused_config_from_dir
+
+    return get_fused_config_from_dir(ROOT, overrides)
+
+
+def search_run_config(path: Path, runs: Path) -> dict:
+    """A run config naming the candidates file ``path``, total epsilon 4, its run directory
+    ``runs/search``."""
+    overrides = {"tune-candidates": str(path), "task": TASK, "target-epsilon": 4.0}
+    return flwr_run_config({**overrides, "run-dir": str(runs), "run-name": "search"})
+
+
+def test_flwr_run_and_the_command_line_declare_the_same_search(tmp_path):
+    """One path: the run config's keys and ``gep-fed tune``'s options of the same names
+    give the same trials, budget and choice rule."""
+    from gep_fed.cli.main import build_parser
+    from gep_fed.cli.tune import tune_config
+
+    path, runs = candidates_file(tmp_path), str(tmp_path / "runs")
+    options = ["--candidates", str(path), "--task", TASK, "--epsilon", "4", "--trials", "3"]
+    options += ["--reference", "--site-validation", "0.2", "--score-noise", "2"]
+    cli = tune_config(build_parser().parse_args(["tune", *options, "--run-dir", runs]))
+    record = flwr_run_config(
+        {
+            "tune-candidates": str(path),
+            "task": TASK,
+            "target-epsilon": 4.0,
+            "tune-trials": 3,
+            "tune-reference": True,
+            "tune-site-validation": 0.2,
+            "tune-score-noise": 2.0,
+            "run-dir": runs,
+            "run-name": "search",
+        }
+    )
+    flwr = search_of_run_config(record, 7)
+    assert flwr.out_dir == str(tmp_path / "runs" / "search")
+    assert (
+        (flwr.total_epsilon, flwr.total_delta) == (cli.total_epsilon, cli.total_delta) == (4, 1e-5)
+    )
+    assert (flwr.num_trials, flwr.reference, flwr.site_score) == (3, True, cli.site_score)
+    assert flwr.candidates == cli.candidates
+    for index in range(2):  # the run's name aside: the search names every trial's run
+        for epsilon in (None, 1.5):
+            trials = [c.candidate_config(index, epsilon) for c in (flwr, cli)]
+            assert len({replace(t, run_name="") for t in trials}) == 1
+    # a simulated site under flwr run builds its task and data as the search's base does
+    settings = run_settings(record)
+    assert (settings.task, settings.num_public, settings.seed) == (TASK, 100, flwr.base.seed)
+    assert settings.run_directory(7) == flwr.out_dir
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"tune-candidates": None, "tune-trials": 3}, r"\['tune-trials'\] need tune-candidates"),
+        ({"tune-candidates": 5}, "tune-candidates must be a file path"),
+        ({"tune-trials": "3"}, "tune-trials must be a number of trials"),
+        ({"tune-reference": 1}, "tune-reference must be true or false"),
+        ({"tune-random-trials": 3.0}, "a random number of trials is one selection"),
+        ({"tune-site-validation": 0.2}, "tune-site-validation and tune-score-noise go together"),
+        ({"task": "digits"}, "names task .* the run config task 'digits'"),
+    ],
+)
+def test_a_bad_search_in_a_run_config_is_named(tmp_path, given, message):
+    path = candidates_file(tmp_path)
+    path.write_text(f'[base]\ntask = "{TASK}"\n' + path.read_text().removeprefix("[base]\n"))
+    record = {"tune-candidates": str(path), "task": TASK, **given}
+    record = {k: v for k, v in record.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        search_of_run_config(flwr_run_config(record), 1)
+
+
+def test_flwr_run_of_a_search_runs_its_trials_over_the_runs_grid(tmp_path, capsys):
+    """``server/app.py``'s ServerApp and ``client/app.py``'s ClientApp, as ``flwr run`` runs
+    them (in process here): the run config names a candidates file, so the trials run one
+    after another over the run's grid; the simulated sites (which know no trials) keep one
+    ledger each in the run directory, holding both trials, and the summary is
+    ``gep-fed tune``'s."""
+    from gep_fed.flower import make_client_app, make_flwr_server_app
+    from gep_fed.flower.in_process import run_in_process
+
+    runs = tmp_path / "runs"
+    record = search_run_config(candidates_file(tmp_path), runs)
+    run_in_process(make_flwr_server_app(), make_client_app(), 2, run_config=record)
+    printed = capsys.readouterr().out
+    assert "chosen: trial" in printed and f"tuning directory: {runs / 'search'}" in printed
+    saved = json.loads((runs / "search" / "tune.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["finished", "finished"]
+    config = search_of_run_config(record, 1)
+    planner, epsilon = TrialPlanner(config), saved["per_trial_epsilon"]
+    both = [e for i in (0, 1) for e in planner.trial(i, epsilon)[1]]
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(runs / "search" / "sites" / site / "ledger.json")
+        assert ledger.epsilon() == pytest.approx(epsilon_rdp(both, 1e-5))
+        # the site's own budget (its node config; a simulated one's default), not the server's
+        assert ledger.budget_epsilon == SIMULATED_SITE_DEFAULTS["epsilon-budget"]
+
+
+def test_a_site_under_flwr_run_refuses_a_trial_beyond_its_budget_named_by_its_own_rounds(
+    tmp_path,
+):
+    """Under flwr run a simulated site knows no trials. One whose ledger already holds other
+    work, so that its budget (its own, 8) holds one more trial but not two, refuses the
+    second trial from its first round; the search names the trial's own rounds (1-2, not the
+    run's 3-4), stops, and the site's ledger holds exactly its other work and one trial."""
+    from gep_fed.accounting.ledger import create_ledger_key, default_key_path
+    from gep_fed.federation.tuning import calibrate_trial_epsilon
+    from gep_fed.flower import make_client_app, make_flwr_server_app
+    from gep_fed.flower.in_process import run_in_process
+
+    runs = tmp_path / "runs"
+    record = search_run_config(candidates_file(tmp_path), runs)
+    config = search_of_run_config(record, 1)
+    epsilon, _ = calibrate_trial_epsilon(config, config.plan())
+    one = TrialPlanner(config).trial(0, epsilon)[1]
+    ledger_path = runs / "search" / "sites" / "site-0" / "ledger.json"
+    ledger_path.parent.mkdir(parents=True)
+    key = create_ledger_key(default_key_path(ledger_path))
+    budget = SIMULATED_SITE_DEFAULTS["epsilon-budget"]
+    k = next(k for k in range(1, 200) if epsilon_rdp(one * (k + 2), 1e-5) > budget)
+    assert epsilon_rdp(one * (k + 1), 1e-5) <= budget
+    other = PrivacyLedger.open(ledger_path, 1e-5, budget, "site-0", key=key, create=True)
+    other.record(*[replace(e, party="site-0") for e in one * k])  # before the search
+    run_in_process(make_flwr_server_app(), make_client_app(), 2, run_config=record)
+    saved = json.loads((runs / "search" / "tune.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["finished", "refused"]
+    assert saved["trials"][1]["refused_by"] == {"site-0": "over budget in round(s) 1-2"}
+    ledger = PrivacyLedger.load_keyed(ledger_path)
+    assert ledger.epsilon() == pytest.approx(epsilon_rdp(one * (k + 1), 1e-5))

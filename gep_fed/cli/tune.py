@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.modes import MODE_NAMES
-from gep_fed.validation import ConfigError
-
-# --trials-law: a truncated negative binomial's shape eta, or Poisson
-TRIAL_LAWS = {"geometric": 1.0, "logarithmic": 0.0, "poisson": None}
+from gep_fed.federation.tuning import (
+    TRIAL_LAWS,
+    TuneConfig,
+    candidates_from_toml,
+    search_base,
+    site_score_of,
+    trial_law,
+)
 
 EXAMPLE = """\
 a candidates file (TOML): an optional [base] table of the settings every trial shares, and
@@ -146,54 +149,26 @@ def add_tune_parser(sub) -> None:
 
 def base_config(args: argparse.Namespace, table: dict) -> FederationConfig:
     """The settings every trial shares: the file's [base] table under the options given."""
-    from gep_fed.data.registry import task_file_name
-
     given = {"task": args.task, "mode": args.mode, "run-dir": args.run_dir}
-    values = {**table, **{k: v for k, v in given.items() if v is not None}}
-    if "task" in values and isinstance(values["task"], str):
-        values["task"] = task_file_name(values["task"])
-    try:
-        return FederationConfig.from_record(values)
-    except ConfigError as err:
-        raise ConfigError(f"{args.candidates} [base]: {err}") from None
-
-
-def _number(value: float | None) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:.4f}"
+    return search_base(table, {k: v for k, v in given.items() if v is not None}, args.candidates)
 
 
 def random_trials(args: argparse.Namespace):
     """``--random-trials MEAN`` under ``--trials-law`` (None without it)."""
-    from gep_fed.accounting.selection import PoissonTrials, TruncatedNegativeBinomial
-
-    if args.random_trials is None:
-        return None
-    mean = args.random_trials
-    if not (math.isfinite(mean) and mean >= 1):
-        raise ConfigError(f"--random-trials must be a mean number of trials >= 1, got {mean:g}")
-    if args.trials_law == "poisson":
-        return PoissonTrials(mean)
-    return TruncatedNegativeBinomial.from_mean(TRIAL_LAWS[args.trials_law], mean)
+    return trial_law(args.random_trials, args.trials_law, "--random-trials")
 
 
 def site_score(args: argparse.Namespace):
     """``--site-validation FRACTION --score-noise STD`` as a ``SiteScore`` (None: neither)."""
-    from gep_fed.federation.site_score import SiteScore
-
-    given = (args.site_validation is not None, args.score_noise is not None)
-    if given == (False, False):
-        return None
-    if given != (True, True):
-        raise ConfigError("--site-validation and --score-noise go together")
-    return SiteScore(args.site_validation, args.score_noise)
+    names = ("--site-validation", "--score-noise")
+    return site_score_of(args.site_validation, args.score_noise, names)
 
 
-def run_tune(args: argparse.Namespace) -> int:
-    from gep_fed.federation.tuning import TuneConfig, candidates_from_toml
-    from gep_fed.flower.tuning import OUTSIDE, TUNE_MD, tune
-
+def tune_config(args: argparse.Namespace) -> TuneConfig:
+    """The search the options declare (under ``flwr run``, its run config's keys declare
+    the same: ``gep_fed.federation.tuning.search_of_run_config``)."""
     table, candidates = candidates_from_toml(args.candidates)
-    config = TuneConfig(
+    return TuneConfig(
         base_config(args, table),
         candidates,
         trials=args.trials,
@@ -204,6 +179,12 @@ def run_tune(args: argparse.Namespace) -> int:
         out_dir=args.out or "",
         site_score=site_score(args),
     )
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from gep_fed.flower.tuning import failure_line, result_lines, tune
+
+    config = tune_config(args)
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from gep_fed.flower.simulation import site_data_from_pairs
@@ -213,39 +194,9 @@ def run_tune(args: argparse.Namespace) -> int:
     if site_data:
         options["site_data"] = site_data
     result = tune(config, log=print, simulate_options=options)
-    print("")
-    if result.stopped:
-        print(f"stopped early: {result.stopped}")
-    if result.chosen is not None:
-        c = result.chosen
-        settings = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in c.settings.items())
-        test = ", ".join(f"{k} {v:.4g}" for k, v in result.test_metrics.items())
-        print(
-            f"chosen: trial {c.trial}, candidate {c.candidate} ({settings or 'the base'}), "
-            f"validation score {c.validation_score:.4f} (round {c.best_round})"
-        )
-        print(f"its test metrics (never used to choose): {test}")
-        print(f"model: {result.model_path}")
-    covers = (
-        "the selection, what the trusted server publishes"
-        if result.selection
-        else "every trial it took part in, the guarantee against the server"
-    )
-    print(
-        f"epsilon of the whole tuning (each site's ledger: {covers}): "
-        f"{_number(result.epsilon_rdp)} (RDP), {_number(result.epsilon_pld)} (PLD), "
-        f"delta {result.delta:g}"
-    )
-    reference = (result.reference or {}).get("chosen")
-    if reference is not None:
-        test = ", ".join(f"{k} {v:.4g}" for k, v in reference["test"].items())
-        print(
-            f"non-private reference, {OUTSIDE}: candidate {reference['candidate']}, "
-            f"validation {reference['validation_score']:.4f}; test: {test}"
-        )
-    print(f"tuning directory: {result.out_dir}\nreport:           {result.out_dir / TUNE_MD}")
-    if result.chosen is None:
-        why = result.stopped or "every trial failed (see tune.md)"
-        print(f"FAILED: no trial finished: {why}", file=sys.stderr)
+    print("\n".join(["", *result_lines(result)]))
+    failed = failure_line(result)
+    if failed is not None:
+        print(failed, file=sys.stderr)
         return 1
     return 0

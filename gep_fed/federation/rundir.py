@@ -98,6 +98,17 @@ class RunDirectory:
             raise RunDirectoryError(f"{run.path} is not a gep-fed run directory (no {CONFIG})")
         return run
 
+    def checkpoint_round(self) -> int:
+        """The last round this directory's checkpoint holds (0: none), read without loading
+        its tensors."""
+        path = self.file(CHECKPOINT)
+        if not path.exists():
+            return 0
+        try:
+            return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["round"])
+        except Exception:  # the strategy's own resume names an unreadable checkpoint
+            return 0
+
     def file(self, name: str) -> Path:
         return self.path / name
 

@@ -47,7 +47,7 @@ from gep_fed.accounting.selection import (
     TruncatedNegativeBinomial,
     default_rng,
 )
-from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.config import RUN_CONFIG_DEFAULT, FederationConfig
 from gep_fed.federation.site_score import SiteScore
 from gep_fed.validation import DELTA, POSITIVE, ConfigError
 
@@ -533,3 +533,149 @@ def law_text(selection: Mapping[str, object]) -> str:
     eta = float(selection["eta"])
     law = names.get(eta, f"truncated negative binomial, eta {eta:g}")
     return f"{law}, mean {selection['mean']:.3g}"
+
+
+# -- a search from its inputs: the CLI's options or a Flower run config ----------------------
+
+# The laws of a random number of trials by name: a truncated negative binomial's eta
+# (geometric 1, logarithmic 0), or Poisson (None).
+TRIAL_LAWS = {"geometric": 1.0, "logarithmic": 0.0, "poisson": None}
+
+# A search under ``flwr run``: the run config's keys beside ``FederationConfig``'s, "default"
+# meaning not given (tests/test_config.py pins them in the app's pyproject.toml). A run config
+# that names a candidates file runs the search; every other key is ``gep-fed tune``'s option
+# of the same name, and the run config's FederationConfig keys override the file's [base].
+SEARCH_RUN_CONFIG = {
+    "tune-candidates": RUN_CONFIG_DEFAULT,  # --candidates
+    "tune-trials": RUN_CONFIG_DEFAULT,  # --trials
+    # --random-trials and --trials-law: refused under flwr run, with the reason
+    "tune-random-trials": RUN_CONFIG_DEFAULT,
+    "tune-trials-law": RUN_CONFIG_DEFAULT,
+    "tune-reference": RUN_CONFIG_DEFAULT,  # --reference
+    "tune-site-validation": RUN_CONFIG_DEFAULT,  # --site-validation
+    "tune-score-noise": RUN_CONFIG_DEFAULT,  # --score-noise
+}
+
+
+def trial_law(
+    mean: float | None, law: str = "geometric", name: str = "random trials"
+) -> TrialDistribution | None:
+    """A random number of trials of mean ``mean`` under ``law`` (``TRIAL_LAWS``; None: a
+    fixed number). ``name`` is the option's, for errors."""
+    if mean is None:
+        return None
+    if isinstance(mean, bool) or not isinstance(mean, int | float):
+        raise ConfigError(f"{name} must be a mean number of trials >= 1, got {mean!r}")
+    if not (math.isfinite(mean) and mean >= 1):
+        raise ConfigError(f"{name} must be a mean number of trials >= 1, got {mean:g}")
+    if law not in TRIAL_LAWS:
+        raise ConfigError(f"the law of {name} must be one of {sorted(TRIAL_LAWS)}, got {law!r}")
+    if TRIAL_LAWS[law] is None:
+        return PoissonTrials(float(mean))
+    return TruncatedNegativeBinomial.from_mean(TRIAL_LAWS[law], float(mean))
+
+
+def site_score_of(
+    fraction: float | None,
+    noise: float | None,
+    names: tuple[str, str] = ("site validation", "score noise"),
+) -> SiteScore | None:
+    """The sites' noised score from its two settings (None: neither given, the server's
+    own validation data scores); ``names`` are the options', for errors."""
+    given = (fraction is not None, noise is not None)
+    if given == (False, False):
+        return None
+    if given != (True, True):
+        raise ConfigError(f"{names[0]} and {names[1]} go together")
+    return SiteScore(fraction, noise)
+
+
+def search_base(table: Mapping[str, object], given: Mapping[str, object], where: str):
+    """The settings every trial shares: the candidates file's [base] ``table`` under the
+    settings ``given`` (the command line's or the run config's)."""
+    from gep_fed.data.registry import task_file_name
+
+    values = {**table, **given}
+    if "task" in values and isinstance(values["task"], str):
+        values["task"] = task_file_name(values["task"])
+    try:
+        return FederationConfig.from_record(values)
+    except ConfigError as err:
+        raise ConfigError(f"{where} [base]: {err}") from None
+
+
+def split_run_config(record: Mapping[str, object]) -> tuple[dict, dict]:
+    """A run config's ``FederationConfig`` keys and its search's (``SEARCH_RUN_CONFIG``
+    keys with a value given)."""
+    settings = {k: v for k, v in record.items() if k not in SEARCH_RUN_CONFIG}
+    search = {k: v for k, v in record.items() if k in SEARCH_RUN_CONFIG and v != RUN_CONFIG_DEFAULT}
+    return settings, search
+
+
+def _typed(search: Mapping[str, object], key: str, kind: type, what: str):
+    value = search.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
+        raise ConfigError(f"run config {key} must be {what}, got {value!r}")
+    return value
+
+
+def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> TuneConfig | None:
+    """The search a Flower run config asks for (None: a run of its own), its folder the run
+    directory (``FederationConfig.run_directory``): rerun with the same run name, an
+    interrupted search resumes there. The file's [base] may not name another task than the
+    run config, which a deployed site compares with its own."""
+    settings, search = split_run_config(record)
+    if not search:
+        return None
+    path = search.get("tune-candidates")
+    if path is None:
+        raise ConfigError(f"run config {sorted(search)} need tune-candidates, a candidates file")
+    if not isinstance(path, str):
+        raise ConfigError(f"run config tune-candidates must be a file path, got {path!r}")
+    table, candidates = candidates_from_toml(path)
+    given = {k: v for k, v in settings.items() if v != RUN_CONFIG_DEFAULT}
+    if "task" in table and "task" in given and table["task"] != given["task"]:
+        raise ConfigError(
+            f"{path} [base] names task {table['task']!r}, the run config task "
+            f"{given['task']!r}: set the task in the run config (a deployed site compares "
+            "the run config's task with its own)"
+        )
+    base = search_base(table, given, path)
+    random = sorted({"tune-random-trials", "tune-trials-law"} & set(search))
+    if random:
+        raise ConfigError(
+            f"run config {random}: a random number of trials is one selection that "
+            "every site's ledger records before the first trial and each trial's own ledgers "
+            "then bound, which sites under flwr run cannot be told; declare tune-trials (a "
+            "fixed number, each trial in every site's one ledger), or use gep-fed tune "
+            "--random-trials in simulation"
+        )
+    config = TuneConfig(
+        base,
+        candidates,
+        trials=_typed(search, "tune-trials", int, "a number of trials"),
+        reference=bool(_typed(search, "tune-reference", bool, "true or false")),
+        out_dir=base.run_directory(run_id),
+        site_score=site_score_of(
+            _typed(search, "tune-site-validation", int | float, "a fraction"),
+            _typed(search, "tune-score-noise", int | float, "a standard deviation"),
+            ("run config tune-site-validation", "tune-score-noise"),
+        ),
+    )
+    return config
+
+
+def run_settings(record: Mapping[str, object]) -> FederationConfig:
+    """What a Flower run config asks a run to train: a search's base (its candidates
+    file's [base] under the run config) where it names a candidates file, else the run
+    config's own settings. A simulated site under ``flwr run`` builds its task and data
+    from it, as the server does."""
+    settings, search = split_run_config(record)
+    path = search.get("tune-candidates")
+    if not isinstance(path, str):
+        return FederationConfig.from_record(settings)
+    table, _ = candidates_from_toml(path)
+    given = {k: v for k, v in settings.items() if v != RUN_CONFIG_DEFAULT}
+    return search_base(table, given, path)

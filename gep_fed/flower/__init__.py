@@ -11,10 +11,17 @@ _PUBLIC = {
     "GEPStrategy": "gep_fed.flower.strategy",
     "handle_train": "gep_fed.flower.clientapp",
     "make_client_app": "gep_fed.flower.clientapp",
+    "make_flwr_server_app": "gep_fed.flower.flwr_app",
     "make_server_app": "gep_fed.flower.serverapp",
 }
 
-__all__ = ["GEPStrategy", "handle_train", "make_client_app", "make_server_app"]
+__all__ = [
+    "GEPStrategy",
+    "handle_train",
+    "make_client_app",
+    "make_flwr_server_app",
+    "make_server_app",
+]
 
 
 __getattr__ = lazy_exports(__name__, globals(), _PUBLIC)

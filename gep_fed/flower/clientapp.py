@@ -54,6 +54,7 @@ from gep_fed.federation.secure_sum import (
     masked_vector,
 )
 from gep_fed.federation.site import Site, resolve_device, site_data_parts
+from gep_fed.federation.tuning import run_settings
 from gep_fed.flower.secure_sum import (
     ADVERTISE,
     COLLECT,
@@ -142,7 +143,7 @@ def _site(context: Context, served: Served) -> Site:
             del _SITES[old]
         simulated = SiteConfig.is_simulated(context.node_config)
         if simulated:
-            fed = fed if fed is not None else FederationConfig.from_record(context.run_config)
+            fed = fed if fed is not None else run_settings(context.run_config)
             run_directory = fed.run_directory(context.run_id)
         else:
             run_directory = ""
@@ -492,7 +493,7 @@ def _note_simulated_outcome(
         return
     fed, simulation = served.fed, served.simulation
     try:
-        fed = fed if fed is not None else FederationConfig.from_record(context.run_config)
+        fed = fed if fed is not None else run_settings(context.run_config)
         run_sites = Path(fed.run_directory(context.run_id)) / "sites"
         folder = Path((simulation or {}).get("ledger-dir") or run_sites)
         site = str(node.get("site-id") or simulated_site_name({**(simulation or {}), **node}))

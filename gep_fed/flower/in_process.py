@@ -14,7 +14,7 @@ import copy
 import itertools
 import logging
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from uuid import uuid4
 
@@ -104,16 +104,18 @@ class InProcessGrid(Grid):
         return copy.deepcopy(reply)
 
 
-def site_contexts(num_sites: int, run_id: int) -> dict[int, Context]:
+def site_contexts(
+    num_sites: int, run_id: int, run_config: Mapping | None = None
+) -> dict[int, Context]:
     """Each simulated site's Context, with the node config Flower's simulation gives it
-    (``partition-id``, ``num-partitions``)."""
+    (``partition-id``, ``num-partitions``) and the run's ``run_config`` (None: empty)."""
     return {
         FIRST_NODE_ID + i: Context(
             run_id,
             FIRST_NODE_ID + i,
             {"partition-id": i, "num-partitions": num_sites},
             RecordDict(),
-            {},
+            dict(run_config or {}),
         )
         for i in range(num_sites)
     }
@@ -121,14 +123,18 @@ def site_contexts(num_sites: int, run_id: int) -> dict[int, Context]:
 
 @contextmanager
 def in_process_grid(
-    client_app: ClientApp, num_sites: int, run_id: int | None = None
+    client_app: ClientApp,
+    num_sites: int,
+    run_id: int | None = None,
+    run_config: Mapping | None = None,
 ) -> Iterator[InProcessGrid]:
     """A grid over ``num_sites`` simulated sites of ``client_app``, each with the node config
     Flower's simulation gives it (``partition-id``, ``num-partitions``), for the time of the
     ``with`` block. ``run_id``: a new one by default (a site keeps its state per run, as
-    under Flower)."""
+    under Flower); ``run_config``: the run's, as every site's Context holds it."""
     run_id = run_id if run_id is not None else next(_RUN_IDS)
-    grid = InProcessGrid(client_app, site_contexts(num_sites, run_id), Run.create_empty(run_id))
+    contexts = site_contexts(num_sites, run_id, run_config)
+    grid = InProcessGrid(client_app, contexts, Run.create_empty(run_id))
     saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 0, 0
     try:
@@ -138,9 +144,14 @@ def in_process_grid(
 
 
 def run_in_process(
-    server_app: ServerApp, client_app: ClientApp, num_sites: int, run_id: int | None = None
+    server_app: ServerApp,
+    client_app: ClientApp,
+    num_sites: int,
+    run_id: int | None = None,
+    run_config: Mapping | None = None,
 ) -> None:
     """Run ``server_app`` against ``num_sites`` simulated sites of ``client_app``
-    (``in_process_grid``)."""
-    with in_process_grid(client_app, num_sites, run_id) as grid:
-        server_app(grid, Context(grid.run.run_id, 0, {}, RecordDict(), {}))
+    (``in_process_grid``), every Context with ``run_config`` (as ``flwr run`` gives it)."""
+    with in_process_grid(client_app, num_sites, run_id, run_config) as grid:
+        context = Context(grid.run.run_id, 0, {}, RecordDict(), dict(run_config or {}))
+        server_app(grid, context)

@@ -52,6 +52,18 @@ class StopRequest:
         return self._event.is_set()
 
 
+def stop_on_flower_exit() -> StopRequest:
+    """A stop request set by Flower's exit handlers (``flwr stop``, SIGINT or SIGTERM to
+    the process running the ServerApp), where Flower offers them."""
+    request = StopRequest()
+    try:
+        from flwr.supercore.exit import add_exit_handler
+    except ImportError:  # another Flower: the run then stops as Flower stops it
+        return request
+    add_exit_handler(request.request)
+    return request
+
+
 class StoppableGrid:
     """A Grid whose ``send_and_receive`` honours a ``StopRequest``: none is sent after the
     request, and replies still missing ``grace`` seconds after it abandon the round

@@ -27,8 +27,12 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import SITE_SCORE, SITES, RunDirectory
 from gep_fed.flower.clientapp import SimulatedTrial, make_client_app
 from gep_fed.flower.grid import FlowerGrid
-from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
-from gep_fed.flower.serverapp import completed_rounds, record_outcome, stop_on_flower_exit
+from gep_fed.flower.interrupt import (
+    RunInterrupted,
+    StoppableGrid,
+    StopRequest,
+    stop_on_flower_exit,
+)
 from gep_fed.flower.simulation import (
     SimulationResult,
     checked_simulation,
@@ -76,6 +80,30 @@ def trial_rounds(specs: Sequence[TrialSpec]) -> list[tuple[int, int]]:
     return ranges
 
 
+def run_trials(
+    specs: Sequence[TrialSpec],
+    on_trial: OnTrial,
+    grid: Grid,
+    context: Context,
+    progress: bool = False,
+    stop: StopRequest | None = None,
+    committed: list[int] | None = None,
+) -> None:
+    """Run ``specs`` one after another over ``grid`` (a ServerApp's), calling ``on_trial``
+    after each, until it returns False. ``committed[0]`` follows the trial's last applied
+    round (for a second Ctrl-C's line).
+
+    Raises:
+        SearchInterrupted: a stop request (None: Flower's exit handlers) ended a trial.
+    """
+    request = stop if stop is not None else stop_on_flower_exit()
+    committed = committed if committed is not None else [0]
+    for spec, (first, _) in zip(specs, trial_rounds(specs), strict=True):
+        result = _run_trial(spec, first - 1, grid, context, progress, request, committed)
+        if not on_trial(spec, result):
+            return
+
+
 def make_search_server_app(
     specs: Sequence[TrialSpec],
     on_trial: OnTrial,
@@ -84,21 +112,15 @@ def make_search_server_app(
     stop: StopRequest | None = None,
     committed: list[int] | None = None,
 ) -> ServerApp:
-    """A ServerApp that runs ``specs`` one after another over its grid, calling ``on_trial``
-    after each. ``outcome`` receives how it ended: ``interrupted`` (a ``SearchInterrupted``)
-    or ``error`` (an exception raised by a trial or by ``on_trial``), else ``finished``.
-    ``committed[0]`` follows the trial's last applied round (for a second Ctrl-C's line)."""
-    committed = committed if committed is not None else [0]
+    """A ServerApp that runs ``specs`` (``run_trials``). ``outcome`` receives how it ended:
+    ``interrupted`` (a ``SearchInterrupted``) or ``error`` (an exception raised by a trial
+    or by ``on_trial``), else ``finished``."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        request = stop if stop is not None else stop_on_flower_exit()
         try:
-            for spec, (first, _) in zip(specs, trial_rounds(specs), strict=True):
-                result = _run_trial(spec, first - 1, grid, context, progress, request, committed)
-                if not on_trial(spec, result):
-                    break
+            run_trials(specs, on_trial, grid, context, progress, stop, committed)
             outcome["finished"] = True
         except SearchInterrupted as stopped:
             outcome["interrupted"] = stopped
@@ -119,7 +141,7 @@ def _run_trial(
 ) -> SimulationResult:
     began = time.perf_counter()
     fed = spec.fed
-    committed[0] = completed_rounds(RunDirectory(fed.run_directory("")))
+    committed[0] = RunDirectory(fed.run_directory("")).checkpoint_round()
 
     def stopping(record: dict) -> None:
         committed[0] = record["round"] if record.get("applied") else committed[0]
@@ -133,13 +155,13 @@ def _run_trial(
     try:
         strategy.start(StoppableGrid(grid, request))
     except RunInterrupted:
-        record_outcome(strategy, RunInterrupted(strategy.server.completed_rounds))
+        strategy.record_outcome(RunInterrupted(strategy.server.completed_rounds).line())
         resume = "rerun the same command"
         raise SearchInterrupted(spec.number, strategy.server.completed_rounds, resume) from None
     scored = run.file(SITE_SCORE).exists()  # a finished trial rerun: asked once already
     if spec.score_sites and strategy.server.completed_rounds and not scored:
         strategy.loop.score_sites(FlowerGrid(grid), fed.round_timeout)
-    record_outcome(strategy, None)
+    strategy.record_outcome()
     return SimulationResult.of(run, strategy.stop_reason, began)
 
 

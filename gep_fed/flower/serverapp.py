@@ -6,22 +6,26 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import (
-    CHECKPOINT,
-    OUTCOME,
     SITE_SCORE,
     RunDirectory,
     read_site_rounds,
     rounds_not_applied,
 )
+from gep_fed.federation.tuning import run_settings, split_run_config
 from gep_fed.flower.grid import FlowerGrid
-from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
+from gep_fed.flower.interrupt import (
+    RunInterrupted,
+    StoppableGrid,
+    StopRequest,
+    stop_on_flower_exit,
+)
 from gep_fed.flower.strategy import GEPStrategy
+from gep_fed.validation import ConfigError
 
 log = logging.getLogger("gep_fed.server")
 
@@ -38,18 +42,6 @@ class RunOutcome:
 
     strategy: GEPStrategy
     interrupted: RunInterrupted | None = None
-
-
-def completed_rounds(run: RunDirectory) -> int:
-    """The last round the run directory's checkpoint holds (0: none), read without loading
-    its tensors."""
-    path = run.file(CHECKPOINT)
-    if not path.exists():
-        return 0
-    try:
-        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["round"])
-    except Exception:  # the strategy's own resume names an unreadable checkpoint
-        return 0
 
 
 def resume_line(run: RunDirectory, done: int, rounds: int) -> str | None:
@@ -92,11 +84,16 @@ def make_server_app(
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         began = time.perf_counter()
-        config = fed if fed is not None else FederationConfig.from_record(context.run_config)
-        config.resolve()  # the privacy contract, sigma calibrated, before the first round
         request = stop if stop is not None else stop_on_flower_exit()
+        if fed is None and split_run_config(context.run_config)[1]:
+            raise ConfigError(
+                "this run config names a search (tune-*): serve it with "
+                "gep_fed.flower.make_flwr_server_app, as server/app.py does"
+            )
+        config = fed if fed is not None else run_settings(context.run_config)
+        config.resolve()  # the privacy contract, sigma calibrated, before the first round
         run = RunDirectory(config.run_directory(context.run_id))
-        done = completed_rounds(run)
+        done = run.checkpoint_round()
         strategy = GEPStrategy.from_config(
             config, context.run_id, progress=progress, on_round=_stopping(on_round, request)
         )
@@ -115,7 +112,7 @@ def make_server_app(
         if score_sites and interrupted is None and strategy.server.completed_rounds and not scored:
             strategy.loop.score_sites(FlowerGrid(grid), config.round_timeout)
         outcome = RunOutcome(strategy, interrupted)
-        record_outcome(strategy, interrupted)
+        strategy.record_outcome(interrupted.line() if interrupted else None)
         if on_done is not None:
             on_done(outcome)
             return
@@ -142,30 +139,6 @@ def _stopping(on_round, request: StopRequest):
             raise RunInterrupted(record["round"])
 
     return call
-
-
-def stop_on_flower_exit() -> StopRequest:
-    """A stop request set by Flower's exit handlers (``flwr stop``, SIGINT or SIGTERM to
-    the process running the ServerApp), where Flower offers them."""
-    request = StopRequest()
-    try:
-        from flwr.supercore.exit import add_exit_handler
-    except ImportError:  # another Flower: the run then stops as Flower stops it
-        return request
-    add_exit_handler(request.request)
-    return request
-
-
-def record_outcome(strategy: GEPStrategy, interrupted: RunInterrupted | None) -> None:
-    run = strategy.server.run
-    run.write_json(
-        OUTCOME,
-        {
-            "stop_reason": strategy.stop_reason,
-            "interrupted": interrupted.line() if interrupted else None,
-            "completed_rounds": strategy.server.completed_rounds,
-        },
-    )
 
 
 def _print_result(config: FederationConfig, strategy: GEPStrategy, wall: float) -> None:

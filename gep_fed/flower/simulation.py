@@ -306,7 +306,7 @@ def simulate(
     """
     fed = checked_simulation(fed, engine, site_data, drop_bad_examples)
     from gep_fed.flower.clientapp import make_client_app
-    from gep_fed.flower.serverapp import completed_rounds, make_server_app
+    from gep_fed.flower.serverapp import make_server_app
 
     resume = "rerun the same command"
     if not fed.run_name:
@@ -317,7 +317,7 @@ def simulate(
     done: dict = {}
     began = time.perf_counter()
     stop = StopRequest()
-    committed = [completed_rounds(RunDirectory(fed.run_directory("")))]
+    committed = [RunDirectory(fed.run_directory("")).checkpoint_round()]
 
     def on_committed(record: dict) -> None:
         committed[0] = record["round"] if record.get("applied") else committed[0]

@@ -21,6 +21,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rounds import INITIAL_MODEL, INITIAL_SHA256, RoundLoop, open_server
+from gep_fed.federation.rundir import OUTCOME
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.grid import FlowerGrid, MeteredGrid, content_bytes, message, reply
 
@@ -154,6 +155,18 @@ class GEPStrategy(Strategy):
         """
         server = open_server(fed, run_id, round_offset)
         return cls(server, progress=progress, on_round=on_round)
+
+    def record_outcome(self, interrupted: str | None = None) -> None:
+        """Write how the run ended to its run directory (``OUTCOME``): why it stopped early,
+        the line of the stop request that ``interrupted`` it, its last completed round."""
+        self.server.run.write_json(
+            OUTCOME,
+            {
+                "stop_reason": self.stop_reason,
+                "interrupted": interrupted,
+                "completed_rounds": self.server.completed_rounds,
+            },
+        )
 
     def summary(self) -> None:
         """Log the run's mode, mechanism, noise, sampling, budget and run directory."""

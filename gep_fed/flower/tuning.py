@@ -80,6 +80,9 @@ from gep_fed.validation import ConfigError
 if TYPE_CHECKING:
     from gep_fed.flower.simulation import SimulationResult
 
+# Runs a search's trials one after another, calling back after each (``gep_fed.flower.search``).
+RunTrials = Callable[[Sequence[TrialSpec], "search.OnTrial"], None]
+
 TUNE_FORMAT = "gep-fed-tune/1"
 TUNE_JSON = "tune.json"
 TUNE_MD = "tune.md"
@@ -178,13 +181,23 @@ def _site_rows(folder: Path) -> dict[str, int]:
     }
 
 
-def _rows_since(folder: Path, before: Mapping[str, int]) -> dict[str, list[dict]]:
-
+def _rows_since(folder: Path, before: Mapping[str, int], first: int = 1) -> dict[str, list[dict]]:
+    """Each site's rows of ``rounds.jsonl`` after its first ``before`` ones, each round as
+    the trial numbers it: a site that served the trial as a round of a longer run (under
+    ``flwr run``) recorded it from ``first``."""
     out = {}
     for path in sorted(folder.glob(f"*/{SITE_ROUNDS}")):
         lines = [line for line in path.read_text().splitlines() if line.strip()]
-        out[path.parent.name] = [json.loads(x) for x in lines[before.get(path.parent.name, 0) :]]
+        rows = [json.loads(x) for x in lines[before.get(path.parent.name, 0) :]]
+        out[path.parent.name] = [_trial_round(row, first) for row in rows]
     return out
+
+
+def _trial_round(row: dict, first: int) -> dict:
+    round_ = row.get("round")
+    if "trial" in row or not isinstance(round_, int) or round_ < first:
+        return row
+    return {**row, "round": round_ - first + 1}
 
 
 def _best(metrics: Sequence[Mapping]) -> tuple[float | None, int | None]:
@@ -307,6 +320,7 @@ def tune(
     rng: random.Random | None = None,
     log: Callable[[str], None] | None = None,
     simulate_options: Mapping[str, object] | None = None,
+    run_trials: RunTrials | None = None,
 ) -> TuneResult:
     """Run the tuning: plan the trials, calibrate their common budget, run them one after
     another in one Flower simulation (``gep_fed.flower.search.simulate_search``) whose sites
@@ -322,6 +336,9 @@ def tune(
         log: called with one line per trial and per decision (None: silent).
         simulate_options: passed to ``search.simulate_search`` (e.g. ``progress``,
             ``engine``, ``site_data``).
+        run_trials: runs the trials instead, one after another, calling back after each
+            (``search.run_trials`` over a ServerApp's grid: ``flwr run``); None: one
+            simulation (``search.simulate_search`` with ``simulate_options``).
 
     Returns:
         A ``TuneResult``; ``tune.json`` and ``tune.md`` are in its ``out_dir``.
@@ -334,6 +351,11 @@ def tune(
     """
     say = log or (lambda line: None)
     options = dict(simulate_options or {})
+    if run_trials is None:
+
+        def run_trials(specs: Sequence[TrialSpec], on_trial: search.OnTrial) -> None:
+            search.simulate_search(specs, on_trial, **options)
+
     _check_validation(config)
     out = Path(
         config.out_dir or Path(config.base.run_dir) / f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -376,12 +398,15 @@ def tune(
         return sites_dir if fixed else Path(spec.fed.run_directory("")) / "sites"
 
     before = [_site_rows(ledgers(specs[0]))] if specs else []
+    # a trial's first round as the sites number it (a site that knows no trials records it)
+    ranges = search.trial_rounds(specs)
+    firsts = {spec.number: first for spec, (first, _) in zip(specs, ranges, strict=True)}
 
     def on_trial(spec: TrialSpec, sim: SimulationResult) -> bool:
         nonlocal stopped
         index = plan[spec.number - 1]
         sigma = planner.trial(index, epsilon)[0]
-        rows = _rows_since(ledgers(spec), before[0])
+        rows = _rows_since(ledgers(spec), before[0], firsts[spec.number])
         trial = _judged(config, spec.number, index, epsilon, sigma, sim, rows)
         trials.append(trial)
         stopped = _announce(trial, len(plan), say)
@@ -393,11 +418,11 @@ def tune(
 
     ended = len(trials)
     try:
-        search.simulate_search(specs, on_trial, **options)
+        run_trials(specs, on_trial)
     except RunInterrupted as stop:
         where = f"trial {_stopped_in(stop, specs, len(trials) - ended)} of {len(plan)}"
         raise TuneInterrupted(where, stop.completed_round, out) from None
-    reference = _reference(config, out, say, options) if config.reference else None
+    reference = _reference(config, out, say, options, run_trials) if config.reference else None
     result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference)
     result = replace(result, complete=True)
     _write(result)
@@ -634,7 +659,7 @@ def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, ref
     )
 
 
-def _reference(config: TuneConfig, out: Path, say, options) -> dict:
+def _reference(config: TuneConfig, out: Path, say, options, run_trials: RunTrials) -> dict:
     """Every candidate once at the whole budget, fresh ledgers each: the best on validation
     is what a non-private selection would report (OUTSIDE THE GUARANTEE)."""
     specs = []
@@ -682,7 +707,7 @@ def _reference(config: TuneConfig, out: Path, say, options) -> dict:
         return True
 
     try:
-        search.simulate_search(specs, on_trial, **options)
+        run_trials(specs, on_trial)
     except RunInterrupted as stop:
         where = f"the reference's candidate {_stopped_in(stop, specs, len(runs))}"
         raise TuneInterrupted(
@@ -756,6 +781,54 @@ _COVERS_SELECTION = (
     "model (Papernot & Steinke's bound for a random number of trials). The trials and their "
     f"number are the server's record, {OUTSIDE} if published"
 )
+
+
+def result_lines(result: TuneResult) -> list[str]:
+    """A finished tuning in a few lines, as ``gep-fed tune`` and ``flwr run`` print it."""
+    lines = [f"stopped early: {result.stopped}"] if result.stopped else []
+    if result.chosen is not None:
+        c = result.chosen
+        test = ", ".join(f"{k} {v:.4g}" for k, v in result.test_metrics.items())
+        settings = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in c.settings.items())
+        lines += [
+            f"chosen: trial {c.trial}, candidate {c.candidate} ({settings or 'the base'}), "
+            f"validation score {c.validation_score:.4f} (round {c.best_round})",
+            f"its test metrics (never used to choose): {test}",
+            f"model: {result.model_path}",
+        ]
+    covers = (
+        "the selection, what the trusted server publishes"
+        if result.selection
+        else "every trial it took part in, the guarantee against the server"
+    )
+    lines.append(
+        f"epsilon of the whole tuning (each site's ledger: {covers}): "
+        f"{_epsilon_text(result.epsilon_rdp)} (RDP), {_epsilon_text(result.epsilon_pld)} "
+        f"(PLD), delta {result.delta:g}"
+    )
+    reference = (result.reference or {}).get("chosen")
+    if reference is not None:
+        test = ", ".join(f"{k} {v:.4g}" for k, v in reference["test"].items())
+        lines.append(
+            f"non-private reference, {OUTSIDE}: candidate {reference['candidate']}, "
+            f"validation {reference['validation_score']:.4f}; test: {test}"
+        )
+    lines += [
+        f"tuning directory: {result.out_dir}",
+        f"report:           {result.out_dir / TUNE_MD}",
+    ]
+    return lines
+
+
+def _epsilon_text(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.4f}"
+
+
+def failure_line(result: TuneResult) -> str | None:
+    """The one line that says a tuning failed (no trial finished), or None."""
+    if result.chosen is not None:
+        return None
+    return f"FAILED: no trial finished: {result.stopped or 'every trial failed (see tune.md)'}"
 
 
 def _fmt(value, digits: int = 4) -> str:
