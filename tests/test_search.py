@@ -275,3 +275,41 @@ def test_a_site_under_flwr_run_refuses_a_trial_beyond_its_budget_named_by_its_ow
     assert saved["trials"][1]["refused_by"] == {"site-0": "over budget in round(s) 1-2"}
     ledger = PrivacyLedger.load_keyed(ledger_path)
     assert ledger.epsilon() == pytest.approx(epsilon_rdp(one * (k + 1), 1e-5))
+
+
+def test_a_search_stopped_by_ctrl_c_in_its_second_trial_resumes_there(tmp_path, monkeypatch):
+    """The first Ctrl-C during the second trial's first round: that round completes, the
+    search stops naming trial 2 and its round 1, and the same tuning rerun resumes trial 2
+    at its round 2 (a new Flower run, numbered from 1 again), so each site's one ledger holds
+    both trials' rounds exactly once."""
+    import os
+    import signal
+
+    from gep_fed.flower.tuning import TuneInterrupted
+
+    handle, sent = clientapp.handle_train, []
+
+    def interrupting(msg, context, *args):
+        record = msg.content.config_records.get(wire.ROUND_CONFIG)
+        if record is not None and record["round"] == 3 and not sent:
+            sent.append(3)
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: a stop request
+        return handle(msg, context, *args)
+
+    monkeypatch.setattr(clientapp, "handle_train", interrupting)
+    config = TuneConfig(
+        FederationConfig(**{**BASE, "num_sites": 2, "noise_seed": 3}),
+        [{"server-lr": 0.5}, {"server-lr": 2.0}],
+        target_epsilon=4.0,
+        out_dir=str(tmp_path / "tune"),
+    )
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(config, simulate_options={"engine": "in-process"})
+    assert "in trial 2 of 2 (after its round 1)" in stopped.value.line()
+    result = tune(config, simulate_options={"engine": "in-process"})
+    assert [t.status for t in result.trials] == ["finished", "finished"] and result.complete
+    planner, epsilon = TrialPlanner(config), result.per_trial_epsilon
+    both = [e for i in (0, 1) for e in planner.trial(i, epsilon)[1]]
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
+        assert ledger.epsilon() == pytest.approx(epsilon_rdp(both, 1e-5))
