@@ -313,3 +313,33 @@ def test_a_search_stopped_by_ctrl_c_in_its_second_trial_resumes_there(tmp_path, 
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
         assert ledger.epsilon() == pytest.approx(epsilon_rdp(both, 1e-5))
+
+
+def test_a_simulated_site_refuses_a_round_of_no_planned_trial_and_notes_nothing(
+    tmp_path, monkeypatch
+):
+    """A simulated search's site serves each round with its trial's settings, found by the
+    round; a round outside every trial is refused as malformed before anything is built,
+    and no row is written anywhere (there is no trial's folder to write it in)."""
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+
+    from gep_fed.flower.clientapp import SimulatedTrial, handle_train
+
+    monkeypatch.chdir(tmp_path)  # nothing written here either (a default run directory)
+    fed = FederationConfig(**{**BASE, "num_sites": 2, "run_dir": str(tmp_path / "runs")})
+    settings = {"ledger-dir": str(tmp_path / "sites")}
+    trials = [SimulatedTrial(1, 1, 2, fed, settings), SimulatedTrial(2, 3, 4, fed, settings)]
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0  # as a run's
+    try:
+        content = RecordDict({wire.ROUND_CONFIG: ConfigRecord({"round": 5})})
+        msg = Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1)
+        node = {"partition-id": 0, "num-partitions": 2}
+        reply = handle_train(msg, Context(1, 1, node, RecordDict(), {}), trials=trials)
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    assert reply.has_error() and reply.error.reason == "malformed round"
+    assert not list(tmp_path.iterdir())
+    assert not any(key[:2] == (1, 1) for key in clientapp._SITES)

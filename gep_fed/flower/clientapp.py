@@ -416,7 +416,7 @@ def handle_query(
 ) -> Message:
     """A score query at this site. Never raises: a refusal or failure is a reply with a
     fixed reason code, its detail logged here only."""
-    served = Served(fed, simulation)
+    served = None  # a query of no trial of a simulated search: no site's folder to note it in
     try:
         served = _served(msg, context, fed, simulation, trials)
         reply = _score(msg, context, served)
@@ -424,7 +424,8 @@ def handle_query(
         return reply
     except Exception as err:
         reason, cause = _refusal_reason(err, context)
-    _note_simulated_outcome(msg, context, served, reason, cause, "score")
+    if served is not None:
+        _note_simulated_outcome(msg, context, served, reason, cause, "score")
     return refusal(msg, reason)
 
 
@@ -462,7 +463,7 @@ def handle_train(
     simulated site's from the run config. A deployed site takes nothing from either but
     the task's name, which must equal its node config's. ``trials``: a simulated search's
     trials, each with its own settings (``SimulatedTrial``), instead of ``fed``."""
-    served = Served(fed, simulation)
+    served = None  # a round of no trial of a simulated search: no site's folder to note it in
     try:
         served = _served(msg, context, fed, simulation, trials)
         stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
@@ -473,7 +474,8 @@ def handle_train(
         return reply
     except Exception as err:
         reason, cause = _refusal_reason(err, context)
-    _note_simulated_outcome(msg, context, served, reason, cause)
+    if served is not None:
+        _note_simulated_outcome(msg, context, served, reason, cause)
     return refusal(msg, reason)
 
 
