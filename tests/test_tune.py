@@ -142,9 +142,10 @@ def test_without_server_validation_the_sites_noised_counts_choose_and_are_accoun
 
 
 @pytest.mark.slow  # a tuning in process (~3 s)
-def test_a_site_refuses_its_score_beyond_its_budget_and_keeps_its_ledger(tmp_path):
-    """A site whose budget holds a trial's rounds but not its score: the rounds run, the
-    score is refused before anything is counted, and the trial is refused, the site named."""
+def test_a_site_refuses_a_trial_whose_score_its_budget_cannot_hold_before_spending(tmp_path):
+    """A site whose budget holds a trial's rounds but not its score: every round config
+    says a score will be asked, so the site plans it with the rounds and refuses the trial
+    from its first round; nothing is spent, and the trial is refused, the site named."""
     score = SiteScore(0.2, 2.0)
     config = TuneConfig(
         FederationConfig(**NO_VALIDATION),
@@ -159,11 +160,12 @@ def test_a_site_refuses_its_score_beyond_its_budget_and_keeps_its_ledger(tmp_pat
     config = replace(config, site_settings={"epsilon-budget": epsilon_rdp(rounds, 1e-5) + 1e-3})
     result = tune(config, simulate_options={"engine": "in-process"})
     assert result.trials[0].status == "refused" and result.chosen is None
-    assert set(result.trials[0].refused_by) == {"site-0", "site-1"}
-    assert "over budget for its score" in result.trials[0].refused_by["site-0"]
+    assert result.trials[0].refused_by == {
+        "site-0": "over budget in round(s) 1",
+        "site-1": "over budget in round(s) 1",
+    }
     ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / "site-0" / "ledger.json")
-    assert all(e.mechanism == "gep" for e in ledger.events)
-    assert ledger.epsilon() == pytest.approx(epsilon_rdp(rounds, 1e-5))
+    assert not ledger.events and ledger.epsilon() == 0
 
 
 @pytest.mark.slow  # K trials in process (~5 s)

@@ -1,6 +1,7 @@
 """Validation of everything a server or site receives."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -96,6 +97,10 @@ def test_round_config_round_trips_and_refuses_other_protocol_versions():
         wire.RoundConfig.from_record({**rc.to_record(), "protocol": 99})
     with pytest.raises(WireError, match="missing keys"):
         wire.RoundConfig.from_record({k: v for k, v in rc.to_record().items() if k != "mode"})
+    scored = replace(rc, scored=True)  # a site plans the score it will be asked for
+    assert wire.RoundConfig.from_record(scored.to_record()) == scored
+    with pytest.raises(WireError, match="'scored': must be bool, got 1"):
+        wire.RoundConfig.from_record({**rc.to_record(), "scored": 1})
 
 
 @pytest.mark.parametrize(

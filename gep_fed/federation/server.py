@@ -99,6 +99,8 @@ class FederationServer:
         round_offset: added to every round number the sites see (``wire_round``): a
             search's trials share one Flower run, whose rounds must keep increasing at every
             site (``gep_fed.flower.search``). 0 for a run of its own.
+        scored: the sites will be asked to score the final model (``RoundLoop.score_sites``);
+            every round config says so, so a site plans that release from the first round.
     """
 
     def __init__(
@@ -110,10 +112,12 @@ class FederationServer:
         *,
         observers: Iterable[ReleaseObserver] = (),
         round_offset: int = 0,
+        scored: bool = False,
     ) -> None:
         self.cfg = cfg
         self.run = run
         self.round_offset = round_offset
+        self.scored = scored
         self.task = task
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)  # the initial model (public)
@@ -269,6 +273,7 @@ class FederationServer:
             basis_id=self.basis_id if self.mechanism.uses_subspace else -1,
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
+            scored=self.scored,
         )
         return RoundPlan(
             rc,

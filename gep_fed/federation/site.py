@@ -260,11 +260,19 @@ class Site:
     ) -> list[PrivacyEvent]:
         """What the run releases from this round through its last planned one, as this
         site's ledger would compose it: Langevin's steps each with their own sigma, round by
-        round; every other round releases what this one does, so its events repeat."""
+        round; every other round releases what this one does, so its events repeat. A run
+        that will ask for a score (``rc.scored``) adds the score this site releases, if any."""
         rounds = range(rc.round, rc.last_round + 1)
         if rc.privacy.is_langevin:
-            return [e for r in rounds for e in self.round_events(replace(rc, round=r), subspace)]
-        return [replace(e, steps=e.steps * len(rounds)) for e in self.round_events(rc, subspace)]
+            planned = [e for r in rounds for e in self.round_events(replace(rc, round=r), subspace)]
+        else:
+            planned = [
+                replace(e, steps=e.steps * len(rounds)) for e in self.round_events(rc, subspace)
+            ]
+        releases_score = self.policy.score_noise is not None and self.validation is not None
+        if rc.scored and releases_score:  # the score it will be asked for after the rounds
+            planned.append(score_event(self.policy.score_noise, self.site_id))
+        return planned
 
     def langevin_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
         """A Langevin round's events: step-dependent and dependent on this site's size."""

@@ -40,7 +40,8 @@ from gep_fed.validation import (
 # 3: no model spec in the round config (the run's task builds the model at both ends).
 # 4: the round config carries augmentation_copies.
 # 5: the round config carries last_round (a site refuses a run it cannot finish).
-PROTOCOL_VERSION = 5
+# 6: the round config carries scored (a site plans the score it will be asked for).
+PROTOCOL_VERSION = 6
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -177,6 +178,10 @@ class RoundConfig:
         basis_dtype: "float32" or "float16" on the wire (the site uses what it received).
         layout: the parameter layout as JSON (names, shapes, groups); the site checks its
             own model (built by the run's task) against it.
+        scored: after the last round the server will ask the site to score the run's final
+            model (``gep-fed tune --site-validation``): a site that releases scores plans
+            that release with the run's rounds, so a run whose score its budget cannot hold
+            is refused from its first round, before anything is spent on it.
     """
 
     round: int
@@ -190,6 +195,7 @@ class RoundConfig:
     basis_id: int
     basis_dtype: str
     layout: str
+    scored: bool = False
     protocol: int = PROTOCOL_VERSION
 
     @property
@@ -227,7 +233,7 @@ class RoundConfig:
             value = values[name]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 values[name] = value = float(value)
-            if isinstance(value, bool) or not isinstance(value, kind):
+            if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
                 raise WireError(sender, name, f"must be {kind.__name__}, got {value!r}")
         cfg = cls(privacy=privacy, **{k: values[k] for k in plain})
         # the same declared ranges as the run's configuration (FederationConfig)
@@ -268,6 +274,7 @@ _ROUND_TYPES = {
     "basis_id": int,
     "basis_dtype": str,
     "layout": str,
+    "scored": bool,
 }
 
 

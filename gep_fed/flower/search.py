@@ -149,7 +149,12 @@ def _run_trial(
             raise RunInterrupted(record["round"])
 
     strategy = GEPStrategy.from_config(
-        fed, context.run_id, progress=progress, on_round=stopping, round_offset=offset
+        fed,
+        context.run_id,
+        progress=progress,
+        on_round=stopping,
+        round_offset=offset,
+        scored=spec.score_sites,
     )
     run = strategy.server.run
     try:

@@ -95,7 +95,11 @@ def make_server_app(
         run = RunDirectory(config.run_directory(context.run_id))
         done = run.checkpoint_round()
         strategy = GEPStrategy.from_config(
-            config, context.run_id, progress=progress, on_round=_stopping(on_round, request)
+            config,
+            context.run_id,
+            progress=progress,
+            on_round=_stopping(on_round, request),
+            scored=score_sites,
         )
         line = resume_line(run, done, config.rounds)
         if line:

@@ -115,6 +115,7 @@ class GEPStrategy(Strategy):
         progress: bool = True,
         on_round: Callable[[dict], None] | None = None,
         round_offset: int = 0,
+        scored: bool = False,
     ) -> GEPStrategy:
         """The strategy for ``fed``: its run directory (new, or resumed if it has a
         checkpoint and was started with the same settings), the task's public anchors and
@@ -130,6 +131,8 @@ class GEPStrategy(Strategy):
             progress, on_round: as for ``GEPStrategy``.
             round_offset: added to the round numbers the sites see (a search's trial in a
                 Flower run shared with earlier trials: ``gep_fed.flower.search``).
+            scored: the run will ask its sites for a score after its last round
+                (``RoundLoop.score_sites``): the round configs say so, and a site plans it.
 
         Raises:
             ValueError: the run directory was started with different settings.
@@ -153,7 +156,7 @@ class GEPStrategy(Strategy):
             # client_app.py: a site; its privacy policy and ledger come from its node config
             app = make_client_app()
         """
-        server = open_server(fed, run_id, round_offset)
+        server = open_server(fed, run_id, round_offset, scored)
         return cls(server, progress=progress, on_round=on_round)
 
     def record_outcome(self, interrupted: str | None = None) -> None:
