@@ -162,3 +162,34 @@ def test_noise_seeding_is_recorded_in_the_run_directory(tmp_path):
         config = json.loads((tmp_path / f"s{seed}" / "config.json").read_text())
         assert config["noise"] == expected
         assert config["noise-seed"] == (-1 if seed is None else seed)
+
+
+def test_a_simulation_whose_site_count_differs_from_num_sites_fails_naming_both(tmp_path):
+    """Flower's simulation with 2 SuperNodes under a run config of num-sites 3 (flwr run's
+    federation config and run config disagreeing): each simulated site refuses to train a
+    share of 3 partitions (one would never train, silently), naming both numbers and the
+    fix, so the run fails instead of training on two thirds of the data."""
+    from gep_fed.flower.clientapp import make_client_app
+    from gep_fed.flower.in_process import run_in_process
+    from gep_fed.flower.serverapp import make_server_app
+    from gep_fed.flower.simulation import simulated_site_settings
+
+    fed = FederationConfig(
+        task="digits", num_sites=3, rounds=1, num_basis=4, run_dir=str(tmp_path), run_name="r"
+    )
+    outcome = {}
+    server_app = make_server_app(fed, progress=False, on_done=lambda o: outcome.update(o=o))
+    run_in_process(server_app, make_client_app(fed, simulated_site_settings(fed)), 2)
+    metrics = outcome["o"].strategy.server.run.read_metrics()
+    assert [m["applied"] for m in metrics] == [False]
+    rows = [
+        json.loads(line)
+        for site in ("site-0", "site-1")
+        for line in (tmp_path / "r" / "sites" / site / "rounds.jsonl").read_text().splitlines()
+    ]
+    assert [r["outcome"] for r in rows] == ["malformed round"] * 2
+    assert all(
+        "2 simulated sites (Flower's num-supernodes) and the run config num-sites 3" in r["cause"]
+        and "set num-sites=2" in r["cause"]
+        for r in rows
+    )

@@ -149,6 +149,7 @@ def _site(context: Context, served: Served) -> Site:
             run_directory = ""
         cfg = SiteConfig.from_node_config(context.node_config, simulation, run_directory)
         if simulated:
+            check_site_count(cfg, fed)
             task, max_chunk = fed.make_task(), fed.max_chunk
             torch.manual_seed(fed.seed)  # the replica's initial weights are overwritten anyway
             data, held = site_data_parts(
@@ -176,6 +177,22 @@ def _site(context: Context, served: Served) -> Site:
     # served by several worker processes), and a stale copy must never overwrite it.
     site.ledger = _open_ledger(cfg)
     return site
+
+
+def check_site_count(cfg: SiteConfig, fed: FederationConfig) -> None:
+    """A simulated site's share is one of ``fed.num_sites`` partitions of the pooled data:
+    a simulation with another number of simulated sites (Flower's ``num-partitions``, its
+    ``num-supernodes``) would leave partitions untrained, and in central mode divide by the
+    pooled size, so the site refuses to train rather than drop data silently."""
+    given = cfg.num_partitions
+    if given is not None and not cfg.data_path and given != fed.num_sites:
+        raise ConfigError(
+            f"this simulation has {given} simulated sites (Flower's num-supernodes) and the "
+            f"run config num-sites {fed.num_sites}: the pooled data is split into "
+            f"{fed.num_sites} shares, so {abs(fed.num_sites - given)} would never train (or "
+            f"sites would share one); set num-sites={given} in the run config, or "
+            f"num-supernodes={fed.num_sites} in the federation config"
+        )
 
 
 @contextmanager
