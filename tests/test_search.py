@@ -202,6 +202,7 @@ def test_flwr_run_and_the_command_line_declare_the_same_search(tmp_path):
     [
         ({"tune-candidates": None, "tune-trials": 3}, r"\['tune-trials'\] need tune-candidates"),
         ({"tune-candidates": 5}, "tune-candidates must be a file path"),
+        ({"tune-candidates": "c.toml"}, "'c.toml' is not found from .*: give its absolute path"),
         ({"tune-trials": "3"}, "tune-trials must be a number of trials"),
         ({"tune-reference": 1}, "tune-reference must be true or false"),
         ({"tune-random-trials": 3.0}, "a random number of trials is one selection"),

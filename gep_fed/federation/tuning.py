@@ -634,6 +634,11 @@ def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> Tun
         raise ConfigError(f"run config {sorted(search)} need tune-candidates, a candidates file")
     if not isinstance(path, str):
         raise ConfigError(f"run config tune-candidates must be a file path, got {path!r}")
+    if not Path(path).is_absolute() and not Path(path).exists():
+        raise ConfigError(
+            f"run config tune-candidates {path!r} is not found from {Path.cwd()}: give its "
+            "absolute path (flwr run starts the ServerApp in its own copy of the app)"
+        )
     table, candidates = candidates_from_toml(path)
     given = {k: v for k, v in settings.items() if v != RUN_CONFIG_DEFAULT}
     if "task" in table and "task" in given and table["task"] != given["task"]:
