@@ -181,6 +181,28 @@ def test_a_round_played_again_on_resume_is_reported_by_its_latest_attempt():
     assert missed.startswith("the model was not updated in round(s) 1:")
 
 
+def test_rounds_without_an_update_name_the_sites_refusals_by_reason():
+    """A deployed site's refusal reaches the server as a fixed reason only: the failure line
+    counts them, so "every site refused a candidate's model" reads as such."""
+    from gep_fed.federation.rundir import rounds_not_applied
+
+    refused = "site at node {}: field 'error': refused: malformed round"
+    rows = [
+        {
+            "round": r,
+            "sites_ok": 0,
+            "applied": False,
+            "rejected": [refused.format(n) for n in (7, 8)],
+        }
+        for r in (1, 2)
+    ]
+    rows[1]["rejected"].append("site at node 9: field 'error': refused: over budget")
+    assert rounds_not_applied(rows) == (
+        "the model was not updated in round(s) 1-2: too few valid replies (at most 0 in those "
+        "rounds; refused: malformed round (4); refused: over budget (1))"
+    )
+
+
 @pytest.mark.slow  # a subprocess
 def test_the_command_lines_help_imports_neither_dp_accounting_nor_opacus():
     import subprocess

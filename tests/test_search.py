@@ -344,3 +344,29 @@ def test_a_simulated_site_refuses_a_round_of_no_planned_trial_and_notes_nothing(
     assert reply.has_error() and reply.error.reason == "malformed round"
     assert not list(tmp_path.iterdir())
     assert not any(key[:2] == (1, 1) for key in clientapp._SITES)
+
+
+def test_a_search_whose_site_ledgers_are_elsewhere_reports_its_planned_epsilon_as_such(tmp_path):
+    """Deployed sites keep their ledgers on their own disks: the summary and tune.md give
+    the planned composition and say where the guarantee is recorded, never "each site's
+    ledger" for a figure no ledger here gave."""
+    from gep_fed.flower.tuning import TuneResult, render_markdown, result_lines
+
+    result = TuneResult(
+        out_dir=tmp_path,
+        total_epsilon=2.5,
+        delta=1e-5,
+        plan=(1, 2),
+        per_trial_epsilon=1.7,
+        planned_epsilon_rdp=2.4999,
+        trials=(),
+        chosen=None,
+        model_path=None,
+        test_metrics={},
+        site_epsilons={},
+        stopped=None,
+    )
+    summary = "\n".join(result_lines(result))
+    assert "epsilon of the whole tuning as planned" in summary and "2.4999 (RDP)" in summary
+    assert "(each site's ledger:" not in summary
+    assert "not here: the sites' ledgers are on their disks" in render_markdown(result)

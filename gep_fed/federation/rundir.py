@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -65,9 +66,17 @@ def rounds_not_applied(metrics: list[dict]) -> str | None:
     if not missed:
         return None
     most = max(r.get("sites_ok", 0) for r in missed)
+    # the sites' refusals, by their fixed reason (all a server learns of a deployed site's)
+    reasons = Counter(
+        line.rsplit("refused: ", 1)[1]
+        for r in missed
+        for line in r.get("rejected") or []
+        if isinstance(line, str) and "refused: " in line
+    )
+    refusals = "".join(f"; refused: {why} ({n})" for why, n in sorted(reasons.items()))
     return (
         f"the model was not updated in round(s) {round_spans([r['round'] for r in missed])}: "
-        f"too few valid replies (at most {most} in those rounds)"
+        f"too few valid replies (at most {most} in those rounds{refusals})"
     )
 
 

@@ -801,11 +801,18 @@ def result_lines(result: TuneResult) -> list[str]:
         if result.selection
         else "every trial it took part in, the guarantee against the server"
     )
-    lines.append(
-        f"epsilon of the whole tuning (each site's ledger: {covers}): "
-        f"{_epsilon_text(result.epsilon_rdp)} (RDP), {_epsilon_text(result.epsilon_pld)} "
-        f"(PLD), delta {result.delta:g}"
-    )
+    if result.site_epsilons:
+        lines.append(
+            f"epsilon of the whole tuning (each site's ledger: {covers}): "
+            f"{_epsilon_text(result.epsilon_rdp)} (RDP), {_epsilon_text(result.epsilon_pld)} "
+            f"(PLD), delta {result.delta:g}"
+        )
+    else:  # deployed sites: their ledgers are on their own disks
+        lines.append(
+            f"epsilon of the whole tuning as planned (each site's own ledger records {covers}; "
+            f"the sites' ledgers are not here): {_epsilon_text(result.epsilon_rdp)} (RDP), "
+            f"delta {result.delta:g}"
+        )
     reference = (result.reference or {}).get("chosen")
     if reference is not None:
         test = ", ".join(f"{k} {v:.4g}" for k, v in reference["test"].items())
@@ -941,10 +948,16 @@ def render_markdown(result: TuneResult) -> str:
         ]
     lines += ["## Epsilon of the whole procedure", ""]
     if result.selection is None:
+        recorded = (
+            f"as its ledger records it: epsilon {_fmt(result.epsilon_rdp)} (RDP), "
+            f"{_fmt(result.epsilon_pld)} (PLD)"
+            if result.site_epsilons
+            else f"which its own ledger records (not here: the sites' ledgers are on their "
+            f"disks); as planned, epsilon {_fmt(result.epsilon_rdp)} (RDP)"
+        )
         lines += [
             f"Against the server, which saw every trial's releases, each site's guarantee is "
-            f"the composition of every trial it took part in, as its ledger records it: "
-            f"epsilon {_fmt(result.epsilon_rdp)} (RDP), {_fmt(result.epsilon_pld)} (PLD), "
+            f"the composition of every trial it took part in, {recorded}, "
             f"delta {result.delta:g}. The choice, its score and its model are post-processing "
             f"({_score_cost(result.settings.get('site_score'))}): they cost nothing more. The "
             "tighter bound for a random number of trials (Papernot & Steinke) needs a server "
