@@ -657,7 +657,7 @@ def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> Tun
             "fixed number, each trial in every site's one ledger), or use gep-fed tune "
             "--random-trials in simulation"
         )
-    config = TuneConfig(
+    return TuneConfig(
         base,
         candidates,
         trials=_typed(search, "tune-trials", int, "a number of trials"),
@@ -669,7 +669,6 @@ def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> Tun
             ("run config tune-site-validation", "tune-score-noise"),
         ),
     )
-    return config
 
 
 def run_settings(record: Mapping[str, object]) -> FederationConfig:
