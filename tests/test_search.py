@@ -370,3 +370,20 @@ def test_a_search_whose_site_ledgers_are_elsewhere_reports_its_planned_epsilon_a
     assert "epsilon of the whole tuning as planned" in summary and "2.4999 (RDP)" in summary
     assert "(each site's ledger:" not in summary
     assert "not here: the sites' ledgers are on their disks" in render_markdown(result)
+
+
+def test_the_sites_data_is_checked_once_per_model_of_a_search(tmp_path, monkeypatch):
+    """Candidates share the task and the sites' data (``FIXED_SETTINGS``): the check
+    ``simulate`` makes before round 1 runs once per model, not once per trial."""
+    from gep_fed.flower import simulation
+
+    checked, check = [], simulation.check_simulated_sites
+    monkeypatch.setattr(
+        simulation,
+        "check_simulated_sites",
+        lambda fed, data: checked.append(fed.model) or check(fed, data),
+    )
+    fed = FederationConfig(**{**BASE, "num_sites": 2, "run_dir": str(tmp_path)})
+    specs = [TrialSpec(n, replace(fed, run_name=f"trial-{n}")) for n in (1, 2, 3)]
+    simulate_search(specs, lambda spec, sim: True, engine="in-process")
+    assert checked == [fed.model]

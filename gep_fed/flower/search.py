@@ -194,9 +194,11 @@ def simulate_search(
     """
     if not specs:
         return
-    checked = []
-    for spec in specs:
-        fed = checked_simulation(spec.fed, engine, site_data, drop_bad_examples)
+    checked, models = [], set()
+    for spec in specs:  # candidates share the task and data: the sites' check is per model
+        new_model = spec.fed.model not in models
+        models.add(spec.fed.model)
+        fed = checked_simulation(spec.fed, engine, site_data, drop_bad_examples, new_model)
         fed.resolve()  # the privacy contract, sigma calibrated: an unreachable one stops here
         checked.append(TrialSpec(spec.number, fed, spec.site_settings, spec.score_sites))
     num_sites = {spec.fed.num_sites for spec in checked}
