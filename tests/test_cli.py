@@ -130,7 +130,7 @@ def test_a_comparison_with_a_failed_run_marks_it_and_returns_its_failure(tmp_pat
     )
     assert failures == [
         "GEP client, epsilon 2.0: the model was not updated in round(s) 1: too few valid "
-        "replies (at most 1 in those rounds)",
+        "replies (at most 1 in those rounds; refused: over budget (1))",
         "GEP client, epsilon 2.0: site-1: refused in every round (round(s) 1: over budget)",
     ]
     assert "| GEP client (FAILED: see below) |" in table
