@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tune_task import SMALL_TRIAL, TUNE_TASK
 
 from gep_fed.accounting.events import epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
@@ -26,8 +27,7 @@ from gep_fed.flower.search import TrialSpec, simulate_search, trial_rounds
 from gep_fed.flower.tuning import tune
 from gep_fed.validation import ConfigError
 
-TASK = "tune_task:ValidatedDigits"  # tests/tune_task.py: digits with a validation split
-BASE = dict(task=TASK, num_public=100, num_basis=8, rounds=2, local_steps=2, sample_rate=1.0)
+TASK, BASE = TUNE_TASK, SMALL_TRIAL  # tests/tune_task.py: digits with a validation split
 
 
 def test_each_trial_numbers_its_rounds_after_the_trials_before_it():
@@ -36,6 +36,22 @@ def test_each_trial_numbers_its_rounds_after_the_trials_before_it():
         for n, rounds in ((1, 2), (2, 3), (3, 1))
     ]
     assert trial_rounds(specs) == [(1, 2), (3, 5), (6, 6)]
+
+
+def two_step_sizes(out) -> TuneConfig:
+    """Two trials (server step 0.5 and 2) of two rounds at two sites, total epsilon 4."""
+    return TuneConfig(
+        FederationConfig(**{**BASE, "num_sites": 2, "noise_seed": 3}),
+        [{"server-lr": 0.5}, {"server-lr": 2.0}],
+        target_epsilon=4.0,
+        out_dir=str(out),
+    )
+
+
+def both_trials(config: TuneConfig, epsilon: float) -> float:
+    """The RDP epsilon of the two trials composed, as a site's one ledger should hold them."""
+    planner = TrialPlanner(config)
+    return epsilon_rdp([e for i in (0, 1) for e in planner.trial(i, epsilon)[1]], 1e-5)
 
 
 def test_a_search_is_one_flower_run_whose_rounds_keep_increasing_at_every_site(
@@ -59,18 +75,12 @@ def test_a_search_is_one_flower_run_whose_rounds_keep_increasing_at_every_site(
 
     monkeypatch.setattr(search, "launch", counted_launch)
     monkeypatch.setattr(clientapp, "handle_train", seen)
-    config = TuneConfig(
-        FederationConfig(**{**BASE, "num_sites": 2, "noise_seed": 3}),
-        [{"server-lr": 0.5}, {"server-lr": 2.0}],
-        target_epsilon=4.0,
-        out_dir=str(tmp_path / "tune"),
-    )
+    config = two_step_sizes(tmp_path / "tune")
     result = tune(config, simulate_options={"engine": "in-process"})
     assert len(launches) == 1
     assert [t.status for t in result.trials] == ["finished", "finished"]
     assert sorted(rounds) == [1, 1, 2, 2, 3, 3, 4, 4]
-    planner, epsilon = TrialPlanner(config), result.per_trial_epsilon
-    both = [e for i in (0, 1) for e in planner.trial(i, epsilon)[1]]
+    both = both_trials(config, result.per_trial_epsilon)
     for site in ("site-0", "site-1"):
         folder = tmp_path / "tune" / "sites" / site
         rows = [json.loads(line) for line in (folder / "rounds.jsonl").read_text().splitlines()]
@@ -81,7 +91,7 @@ def test_a_search_is_one_flower_run_whose_rounds_keep_increasing_at_every_site(
             (2, 2, "accepted"),
         ]
         ledger = PrivacyLedger.load_keyed(folder / "ledger.json")
-        assert ledger.epsilon() == pytest.approx(epsilon_rdp(both, 1e-5))
+        assert ledger.epsilon() == pytest.approx(both)
 
 
 def test_a_distributed_search_signs_and_masks_each_trials_rounds_apart(tmp_path):
@@ -236,11 +246,10 @@ def test_flwr_run_of_a_search_runs_its_trials_over_the_runs_grid(tmp_path, capsy
     saved = json.loads((runs / "search" / "tune.json").read_text())
     assert [t["status"] for t in saved["trials"]] == ["finished", "finished"]
     config = search_of_run_config(record, 1)
-    planner, epsilon = TrialPlanner(config), saved["per_trial_epsilon"]
-    both = [e for i in (0, 1) for e in planner.trial(i, epsilon)[1]]
+    both = both_trials(config, saved["per_trial_epsilon"])
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(runs / "search" / "sites" / site / "ledger.json")
-        assert ledger.epsilon() == pytest.approx(epsilon_rdp(both, 1e-5))
+        assert ledger.epsilon() == pytest.approx(both)
         # the site's own budget (its node config; a simulated one's default), not the server's
         assert ledger.budget_epsilon == SIMULATED_SITE_DEFAULTS["epsilon-budget"]
 
@@ -298,22 +307,16 @@ def test_a_search_stopped_by_ctrl_c_in_its_second_trial_resumes_there(tmp_path, 
         return handle(msg, context, *args)
 
     monkeypatch.setattr(clientapp, "handle_train", interrupting)
-    config = TuneConfig(
-        FederationConfig(**{**BASE, "num_sites": 2, "noise_seed": 3}),
-        [{"server-lr": 0.5}, {"server-lr": 2.0}],
-        target_epsilon=4.0,
-        out_dir=str(tmp_path / "tune"),
-    )
+    config = two_step_sizes(tmp_path / "tune")
     with pytest.raises(TuneInterrupted) as stopped:
         tune(config, simulate_options={"engine": "in-process"})
     assert "in trial 2 of 2 (after its round 1)" in stopped.value.line()
     result = tune(config, simulate_options={"engine": "in-process"})
     assert [t.status for t in result.trials] == ["finished", "finished"] and result.complete
-    planner, epsilon = TrialPlanner(config), result.per_trial_epsilon
-    both = [e for i in (0, 1) for e in planner.trial(i, epsilon)[1]]
+    both = both_trials(config, result.per_trial_epsilon)
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        assert ledger.epsilon() == pytest.approx(epsilon_rdp(both, 1e-5))
+        assert ledger.epsilon() == pytest.approx(both)
 
 
 def test_a_simulated_site_refuses_a_round_of_no_planned_trial_and_notes_nothing(

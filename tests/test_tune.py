@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tune_task import SMALL_TRIAL, TUNE_TASK
 
 from gep_fed.accounting.events import ImpossibleTargetError, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
@@ -30,9 +31,7 @@ from gep_fed.flower.simulation import SimulationResult
 from gep_fed.flower.tuning import OUTSIDE, TuneInterrupted, tune
 from gep_fed.validation import ConfigError
 
-TASK = "tune_task:ValidatedDigits"  # tests/tune_task.py: digits with a validation split
-# q = 1 keeps each trial's calibration fast (no subsampling to account).
-BASE = dict(task=TASK, num_public=100, num_basis=8, rounds=2, local_steps=2, sample_rate=1.0)
+TASK, BASE = TUNE_TASK, SMALL_TRIAL  # tests/tune_task.py: digits with a validation split
 
 
 def base(**settings) -> FederationConfig:

@@ -6,6 +6,13 @@ from __future__ import annotations
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.task import TaskSettings
 
+# How the tuning tests name this task, and their small trials' settings (q = 1 keeps each
+# trial's calibration fast: no subsampling to account).
+TUNE_TASK = "tune_task:ValidatedDigits"
+SMALL_TRIAL = dict(
+    task=TUNE_TASK, num_public=100, num_basis=8, rounds=2, local_steps=2, sample_rate=1.0
+)
+
 
 class ValidatedDigits(DigitsTask):
     def __init__(self, settings: TaskSettings | None = None) -> None:
