@@ -215,7 +215,13 @@ def test_flwr_run_and_the_command_line_declare_the_same_search(tmp_path):
         ({"tune-candidates": "c.toml"}, "'c.toml' is not found from .*: give its absolute path"),
         ({"tune-trials": "3"}, "tune-trials must be a number of trials"),
         ({"tune-reference": 1}, "tune-reference must be true or false"),
-        ({"tune-random-trials": 3.0}, "a random number of trials is one selection"),
+        ({"tune-random-trials": 3.0}, "in client mode the server sees every trial's releases"),
+        ({"tune-random-trials": 0.5}, "tune-random-trials must be a mean number of trials >= 1"),
+        ({"tune-trials-law": "geometric"}, "tune-trials-law needs tune-random-trials"),
+        (
+            {"tune-random-trials": 2.0, "tune-trials-law": "zipf", "mode": "central"},
+            "the law of run config tune-random-trials must be one of",
+        ),
         ({"tune-site-validation": 0.2}, "tune-site-validation and tune-score-noise go together"),
         ({"task": "digits"}, "names task .* the run config task 'digits'"),
     ],
@@ -252,6 +258,111 @@ def test_flwr_run_of_a_search_runs_its_trials_over_the_runs_grid(tmp_path, capsy
         assert ledger.epsilon() == pytest.approx(both)
         # the site's own budget (its node config; a simulated one's default), not the server's
         assert ledger.budget_epsilon == SIMULATED_SITE_DEFAULTS["epsilon-budget"]
+
+
+def random_search_run_config(tmp_path: Path) -> dict:
+    """A central-mode search of a random number of trials (geometric, mean 2) under flwr run,
+    total epsilon 4."""
+    record = search_run_config(candidates_file(tmp_path), tmp_path / "runs")
+    return {**record, "mode": "central", "tune-random-trials": 2.0}
+
+
+def central_sites():
+    """The ClientApp of simulated sites that accept central mode (their node configs')."""
+    from gep_fed.flower import make_client_app
+
+    return make_client_app(simulation={"accept-modes": "central"})
+
+
+def test_flwr_run_and_the_command_line_declare_the_same_random_search(tmp_path):
+    from gep_fed.cli.main import build_parser
+    from gep_fed.cli.tune import tune_config
+
+    record = random_search_run_config(tmp_path)
+    record["tune-trials-law"] = "logarithmic"
+    options = ["--candidates", record["tune-candidates"], "--task", TASK, "--epsilon", "4"]
+    options += ["--mode", "central", "--random-trials", "2", "--trials-law", "logarithmic"]
+    cli = tune_config(build_parser().parse_args(["tune", *options]))
+    flwr = search_of_run_config(record, 1)
+    assert flwr.random_trials == cli.random_trials and flwr.selection == cli.selection
+    assert flwr.base.mode == cli.base.mode == "central"
+
+
+def test_a_random_search_under_flwr_run_is_recorded_by_each_site_once_and_each_trial_apart(
+    tmp_path,
+):
+    """Under flwr run the sites record the selection themselves, from the round configs:
+    each site's own ledger holds the whole selection once (Papernot & Steinke's bound, the
+    epsilon of the search), and each trial's rounds lie in a ledger of the trial's own
+    beside it, under the selection's bound of one trial."""
+    import numpy as np
+
+    from gep_fed.accounting.events import rdp_curve
+    from gep_fed.federation.site_selection import selection_folder, trial_run_curve
+    from gep_fed.flower import make_flwr_server_app
+    from gep_fed.flower.in_process import run_in_process
+    from gep_fed.flower.tuning import SEARCH_ID
+
+    record = random_search_run_config(tmp_path)
+    run_in_process(make_flwr_server_app(), central_sites(), 2, run_config=record)
+    out = tmp_path / "runs" / "search"
+    saved = json.loads((out / "tune.json").read_text())
+    assert [t["status"] for t in saved["trials"]] == ["finished"] * len(saved["plan"])
+    event = TrialPlanner(search_of_run_config(record, 1)).selection_event(
+        saved["per_trial_epsilon"]
+    )
+    search_id = (out / SEARCH_ID).read_text()
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(out / "sites" / site / "ledger.json")
+        (recorded,) = ledger.events
+        assert recorded == replace(event, party=site)
+        assert ledger.epsilon() == pytest.approx(saved["planned_epsilon_rdp"])
+        assert ledger.epsilon() <= 4.0
+        folder = selection_folder(ledger.path, search_id)
+        trials = sorted(folder.glob("trial-*.json"))
+        assert len(trials) == len(saved["plan"])
+        for path in trials:
+            trial = PrivacyLedger.load(path, ledger.key, path.with_suffix(".mark"))
+            assert trial.steps == 2  # its two central rounds, one step each
+            assert np.all(rdp_curve(trial.events) <= trial_run_curve(event) * (1 + 1e-9))
+    assert "Each site's ledger records the selection once" in (out / "tune.md").read_text()
+
+
+def test_a_site_under_flwr_run_refuses_a_random_search_its_budget_cannot_hold_before_any_round(
+    tmp_path,
+):
+    """A site whose ledger already holds other work, so that the selection no longer fits
+    its budget (its own, 8), refuses the first trial's rounds: the search stops there, and
+    its ledger holds exactly its other work, with no selection recorded."""
+    from gep_fed.accounting.ledger import create_ledger_key, default_key_path
+    from gep_fed.federation.tuning import calibrate_selection_epsilon
+    from gep_fed.flower import make_flwr_server_app
+    from gep_fed.flower.in_process import run_in_process
+    from gep_fed.flower.serverapp import RunFailedError
+
+    record = random_search_run_config(tmp_path)
+    config = search_of_run_config(record, 1)
+
+    epsilon, _ = calibrate_selection_epsilon(config)
+    one = TrialPlanner(config).trial(0, epsilon)[1]
+    event = TrialPlanner(config).selection_event(epsilon)
+    ledger_path = tmp_path / "runs" / "search" / "sites" / "site-0" / "ledger.json"
+    ledger_path.parent.mkdir(parents=True)
+    key = create_ledger_key(default_key_path(ledger_path))
+    budget = SIMULATED_SITE_DEFAULTS["epsilon-budget"]
+    other = PrivacyLedger.open(ledger_path, 1e-5, budget, "site-0", key=key, create=True)
+    k = next(k for k in range(1, 400) if epsilon_rdp([*one * k, event], 1e-5) > budget)
+    assert epsilon_rdp(one * k, 1e-5) <= budget
+    other.record(*[replace(e, party="site-0") for e in one * k])  # before the search
+    before = PrivacyLedger.load_keyed(ledger_path).events
+    with pytest.raises(RunFailedError, match=r"trial 1 .* refused by site-0 .*over budget"):
+        run_in_process(make_flwr_server_app(), central_sites(), 2, run_config=record)
+    saved = json.loads((tmp_path / "runs" / "search" / "tune.json").read_text())
+    assert saved["trials"][0]["status"] == "refused"
+    assert saved["trials"][0]["refused_by"] == {"site-0": "over budget in round(s) 1-2"}
+    assert len(saved["trials"]) == 1  # the search stops at a refused trial
+    assert PrivacyLedger.load_keyed(ledger_path).events == before
+    assert not (ledger_path.parent / "ledger.json.selections").exists()
 
 
 def test_a_site_under_flwr_run_refuses_a_trial_beyond_its_budget_named_by_its_own_rounds(

@@ -124,6 +124,9 @@ def test_round_config_round_trips_and_refuses_other_protocol_versions():
         ({"basis_id": -1}, "basis_id"),
         ({"layout": "not json"}, "layout"),
         ({"extra": 1}, "unexpected"),
+        ({"selection": "not json"}, "selection"),
+        ({"selection": 3}, "selection"),
+        ({"selection": '{"search": "ab", "trial": 1, "event": {}}'}, "selection"),
     ],
 )
 def test_a_bad_round_config_value_is_a_wire_error_naming_it(change, field):

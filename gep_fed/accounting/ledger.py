@@ -29,7 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gep_fed.accounting.events import PrivacyEvent, epsilon_pld, epsilon_rdp
+import numpy as np
+
+from gep_fed.accounting.events import (
+    RDP_ORDERS,
+    PrivacyEvent,
+    epsilon_pld,
+    epsilon_rdp,
+    rdp_curve,
+)
 from gep_fed.files import write_bytes_atomically
 from gep_fed.validation import DELTA
 
@@ -86,6 +94,7 @@ class PrivacyLedger:
             mark_path = default_mark_path(default_key_path(self.path))
         self.mark_path = None if mark_path is None else Path(mark_path)
         self._events: list[PrivacyEvent] = list(events)
+        self._ceiling: np.ndarray | None = None  # bound_by's RDP curve
         # Digest of the file as this object last read or wrote it: a save over a file that
         # another process changed since then would lose that process's releases.
         self._disk_digest: str | None = None
@@ -112,8 +121,26 @@ class PrivacyLedger:
         """The RDP epsilon if ``new_events`` were recorded too."""
         return epsilon_rdp([*self._events, *new_events], self.delta)
 
+    def bound_by(self, ceiling: np.ndarray) -> PrivacyLedger:
+        """From now on, refuse releases that would bring this ledger's RDP curve above
+        ``ceiling`` (at ``RDP_ORDERS``) at any order, besides the budget: one trial of a
+        private selection, which the selection was accounted for as at most that curve.
+        Returns the ledger."""
+        self._ceiling = np.asarray(ceiling, dtype=float)
+        return self
+
     def check_budget(self, new_events: Sequence[PrivacyEvent]) -> None:
-        """Raise ``BudgetExceededError`` if ``new_events`` would overspend the budget."""
+        """Raise ``BudgetExceededError`` if ``new_events`` would overspend the budget (or
+        rise above the curve of ``bound_by``)."""
+        if self._ceiling is not None:
+            above = rdp_curve([*self._events, *new_events]) > self._ceiling * (1 + 1e-9) + 1e-12
+            if np.any(above):
+                raise BudgetExceededError(
+                    f"{self.owner or 'ledger'}: {sum(e.steps for e in new_events)} more step(s) "
+                    f"would rise above the curve this ledger is bounded by (RDP order "
+                    f"{RDP_ORDERS[int(np.argmax(above))]:g}): a private selection's trial that "
+                    "releases more than its selection was accounted for"
+                )
         if self.budget_epsilon is None:
             return
         after = self.epsilon_after(new_events)

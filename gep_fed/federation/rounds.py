@@ -300,12 +300,16 @@ class SecureSumRound:
 
 
 def open_server(
-    fed: FederationConfig, run_id: int | str, round_offset: int = 0, scored: bool = False
+    fed: FederationConfig,
+    run_id: int | str,
+    round_offset: int = 0,
+    scored: bool = False,
+    selection: str = "",
 ) -> FederationServer:
     """The federation server for ``fed``: its run directory (new, or resumed if it has a
     checkpoint and was started with the same settings), the task's public anchors and server
     test set, its noise and ledger. ``run_id`` names the run directory when ``fed.run_name``
-    is empty; ``round_offset`` and ``scored`` are ``FederationServer``'s. Raises
+    is empty; ``round_offset``, ``scored`` and ``selection`` are ``FederationServer``'s. Raises
     ``ValueError`` when the run directory was started with other settings."""
     run = RunDirectory(fed.run_directory(run_id))
     fresh = not run.path.exists()
@@ -316,7 +320,9 @@ def open_server(
         if total is None and fed.noise_mode.server_steps:  # a simulation: the pooled data
             total = len(task.train_dataset())
             log.info("total-examples not declared: the simulation's pooled size N=%d", total)
-        server = FederationServer(fed, task, run, total, round_offset=round_offset, scored=scored)
+        server = FederationServer(
+            fed, task, run, total, round_offset=round_offset, scored=scored, selection=selection
+        )
     except BaseException:
         if fresh:  # a run that never started leaves no empty run directory behind
             shutil.rmtree(run.path, ignore_errors=True)

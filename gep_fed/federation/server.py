@@ -101,6 +101,8 @@ class FederationServer:
             site (``gep_fed.flower.search``). 0 for a run of its own.
         scored: the sites will be asked to score the final model (``RoundLoop.score_sites``);
             every round config says so, so a site plans that release from the first round.
+        selection: the trial's terms in a private selection with a random number of trials
+            (``wire.SelectionTerms`` as JSON), sent in every round config; "" outside one.
     """
 
     def __init__(
@@ -113,11 +115,13 @@ class FederationServer:
         observers: Iterable[ReleaseObserver] = (),
         round_offset: int = 0,
         scored: bool = False,
+        selection: str = "",
     ) -> None:
         self.cfg = cfg
         self.run = run
         self.round_offset = round_offset
         self.scored = scored
+        self.selection = selection
         self.task = task
         self.device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)  # the initial model (public)
@@ -274,6 +278,7 @@ class FederationServer:
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
             scored=self.scored,
+            selection=self.selection,
         )
         return RoundPlan(
             rc,

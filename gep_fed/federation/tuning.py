@@ -648,19 +648,16 @@ def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> Tun
             "the run config's task with its own)"
         )
     base = search_base(table, given, path)
-    random = sorted({"tune-random-trials", "tune-trials-law"} & set(search))
-    if random:
-        raise ConfigError(
-            f"run config {random}: a random number of trials is one selection that "
-            "every site's ledger records before the first trial and each trial's own ledgers "
-            "then bound, which sites under flwr run cannot be told; declare tune-trials (a "
-            "fixed number, each trial in every site's one ledger), or use gep-fed tune "
-            "--random-trials in simulation"
-        )
+    law = _typed(search, "tune-trials-law", str, "a law's name")
+    if law is not None and "tune-random-trials" not in search:
+        raise ConfigError("run config tune-trials-law needs tune-random-trials, their mean")
     return TuneConfig(
         base,
         candidates,
         trials=_typed(search, "tune-trials", int, "a number of trials"),
+        random_trials=trial_law(
+            search.get("tune-random-trials"), law or "geometric", "run config tune-random-trials"
+        ),
         reference=bool(_typed(search, "tune-reference", bool, "true or false")),
         out_dir=base.run_directory(run_id),
         site_score=site_score_of(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -20,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.federation.modes import MODE_NAMES, Mode, mode_named
 from gep_fed.mechanisms.anchors import AnchorSet
 from gep_fed.mechanisms.contract import PrivacyContract
@@ -41,7 +43,8 @@ from gep_fed.validation import (
 # 4: the round config carries augmentation_copies.
 # 5: the round config carries last_round (a site refuses a run it cannot finish).
 # 6: the round config carries scored (a site plans the score it will be asked for).
-PROTOCOL_VERSION = 6
+# 7: the round config carries selection (a random number of trials, recorded by the site).
+PROTOCOL_VERSION = 7
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -154,6 +157,48 @@ def as_wire_array(array: np.ndarray) -> WireArray:
 
 
 @dataclass(frozen=True)
+class SelectionTerms:
+    """A round's private selection with a random number of trials (Papernot & Steinke, ICLR
+    2022), as the trusted server of central mode declares it: the site records the whole
+    selection once per search, in its own ledger and against its own budget, and keeps each
+    trial's rounds in a ledger of that trial's own, under the selection's bound of one trial.
+
+    Attributes:
+        search: the search's id, 32 hex digits, kept across a resumed search (a site records
+            the selection once per id).
+        trial: the trial's number in the search (from 1).
+        event: the whole selection (``PrivacyEvent`` with ``selection`` set): one trial's
+            releases bounded by one release repeated, inside the law of the number of trials.
+    """
+
+    search: str
+    trial: int
+    event: PrivacyEvent
+
+    def to_json(self) -> str:
+        record = {"search": self.search, "trial": self.trial, "event": self.event.to_dict()}
+        return json.dumps(record, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SelectionTerms:
+        """Decode and validate; anything wrong is a ``ValueError`` naming it."""
+        values = json.loads(text)
+        if not isinstance(values, dict) or set(values) != {"search", "trial", "event"}:
+            raise ValueError(f"keys must be search, trial and event, got {text[:200]!r}")
+        search, trial = values["search"], values["trial"]
+        if not (isinstance(search, str) and re.fullmatch("[0-9a-f]{32}", search)):
+            raise ValueError(f"search must be 32 hex digits, got {search!r}")
+        if isinstance(trial, bool) or not isinstance(trial, int) or not 1 <= trial <= 100_000:
+            raise ValueError(f"trial must be an int from 1 to 100,000, got {trial!r}")
+        if not isinstance(values["event"], dict):
+            raise ValueError(f"event must be a privacy event's record, got {values['event']!r}")
+        event = PrivacyEvent.from_dict(values["event"])
+        if event.selection is None or event.round is not None:
+            raise ValueError("event must be a whole selection's (selection set, no round)")
+        return cls(search, trial, event)
+
+
+@dataclass(frozen=True)
 class RoundConfig:
     """What the server asks of every site for one round (public information only).
 
@@ -182,6 +227,11 @@ class RoundConfig:
             model (``gep-fed tune --site-validation``): a site that releases scores plans
             that release with the run's rounds, so a run whose score its budget cannot hold
             is refused from its first round, before anything is spent on it.
+        selection: "" outside a private selection with a random number of trials (central
+            mode, ``gep-fed tune --random-trials`` under ``flwr run``); else its terms as
+            JSON (``SelectionTerms``): the search's id, the trial, and the selection's event,
+            which the site records in its ledger once per search and under whose bound it
+            keeps each trial's rounds, in a ledger of that trial's own.
     """
 
     round: int
@@ -196,12 +246,18 @@ class RoundConfig:
     basis_dtype: str
     layout: str
     scored: bool = False
+    selection: str = ""
     protocol: int = PROTOCOL_VERSION
 
     @property
     def noise_mode(self) -> Mode:
         """The round's noise placement (validated when decoded)."""
         return mode_named(self.mode)
+
+    @cached_property
+    def selection_terms(self) -> SelectionTerms | None:
+        """The round's private selection (validated when decoded); None outside one."""
+        return SelectionTerms.from_json(self.selection) if self.selection else None
 
     @cached_property
     def mechanism(self) -> Mechanism:
@@ -254,6 +310,10 @@ class RoundConfig:
         if privacy.mechanism_type.uses_subspace != (cfg.basis_id >= 0):
             raise WireError(sender, "basis_id", "does not match the mechanism")
         try:
+            cfg.selection_terms  # noqa: B018 (decoded once, here)
+        except (ValueError, KeyError, TypeError) as err:
+            raise WireError(sender, "selection", f"cannot be decoded: {err}") from None
+        try:
             cfg.parameter_layout()
         except (ValueError, KeyError, TypeError) as err:
             raise WireError(sender, "layout", f"cannot be decoded: {err}") from None
@@ -275,6 +335,7 @@ _ROUND_TYPES = {
     "basis_dtype": str,
     "layout": str,
     "scored": bool,
+    "selection": str,
 }
 
 

@@ -54,6 +54,7 @@ from gep_fed.federation.secure_sum import (
     masked_vector,
 )
 from gep_fed.federation.site import Site, resolve_device, site_data_parts
+from gep_fed.federation.site_selection import trial_ledger
 from gep_fed.federation.tuning import run_settings
 from gep_fed.flower.secure_sum import (
     ADVERTISE,
@@ -75,6 +76,8 @@ BASIS_DTYPE_KEY = "basis-dtype"  # how the held basis is stored
 LAST_ROUND_KEY = "last-round"
 # The last planned round of the run, once the site refused it for its budget.
 DECLINED_KEY = "declined-through"
+# The last round's selection terms ("" outside one): its trial's score goes in the trial's ledger.
+SELECTION_KEY = "selection"
 # A distributed round's agreement key, from the advertise stage to the collect stage.
 AGREEMENT_KEY = "secure-sum-agreement"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
@@ -317,6 +320,10 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
     # Policy and layout first: a refused round changes nothing the site holds.
     site.admit(rc, last_round)
+    ledger = site.ledger
+    if rc.selection_terms is not None:  # the selection in its ledger, the trial in its own
+        site.ledger = trial_ledger(ledger, rc.selection_terms)
+    context.state[SELECTION_KEY] = ConfigRecord({SELECTION_KEY: rc.selection})  # its score's
     if rc.noise_mode.secure_sum:  # a share leaves only masked, after the keys are checked
         agreement = _checked_keys(msg, context, rc, site, served)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
@@ -342,7 +349,7 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
         delta = wire.encode_delta(site.layout, release.delta)
         payload = {wire.MODEL_DELTA: _arrays(delta)}
         metrics["local-steps"] = rc.local_steps
-    metrics["site-epsilon"] = site.ledger.epsilon()
+    metrics["site-epsilon"] = ledger.epsilon()
     if site.policy.release_metrics:
         metrics[UNPROTECTED_LOSS_KEY] = site.training_loss()
     content = RecordDict(
@@ -417,6 +424,9 @@ def _score(msg: Message, context: Context, served: Served) -> Message:
         raise wire.RoundRefused("malformed round")
     classes = wire.check_score_request(record)
     site = _site(context, served)
+    terms = context.state.config_records.get(SELECTION_KEY, {}).get(SELECTION_KEY)
+    if terms:  # a selection's trial scores in the trial's own ledger, under its bound
+        site.ledger = trial_ledger(site.ledger, wire.SelectionTerms.from_json(terms))
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
     site.load_state(state)
     counts = site.score_counts(classes)

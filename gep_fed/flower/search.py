@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -49,12 +49,14 @@ class TrialSpec:
     """One trial of a search: its number in the plan (from 1), its settings (its own
     ``run_dir``/``run_name``), its simulated sites' own settings over
     ``simulated_site_settings`` (budget, ledger folder, held-out examples), and whether the
-    sites score its final model (``RoundLoop.score_sites``)."""
+    sites score its final model (``RoundLoop.score_sites``); under ``flwr run``, a private
+    selection's terms for the sites to record (``wire.SelectionTerms`` as JSON), else ""."""
 
     number: int
     fed: FederationConfig
     site_settings: Mapping[str, object] = field(default_factory=dict)
     score_sites: bool = False
+    selection: str = ""
 
 
 # Sees each trial as it ends; False stops the search there.
@@ -155,6 +157,7 @@ def _run_trial(
         on_round=stopping,
         round_offset=offset,
         scored=spec.score_sites,
+        selection=spec.selection,
     )
     run = strategy.server.run
     try:
@@ -200,7 +203,7 @@ def simulate_search(
         models.add(spec.fed.model)
         fed = checked_simulation(spec.fed, engine, site_data, drop_bad_examples, new_model)
         fed.resolve()  # the privacy contract, sigma calibrated: an unreachable one stops here
-        checked.append(TrialSpec(spec.number, fed, spec.site_settings, spec.score_sites))
+        checked.append(replace(spec, fed=fed))
     num_sites = {spec.fed.num_sites for spec in checked}
     if len(num_sites) > 1:
         raise ConfigError(f"a search's trials must have the same number of sites: {num_sites}")

@@ -116,6 +116,7 @@ class GEPStrategy(Strategy):
         on_round: Callable[[dict], None] | None = None,
         round_offset: int = 0,
         scored: bool = False,
+        selection: str = "",
     ) -> GEPStrategy:
         """The strategy for ``fed``: its run directory (new, or resumed if it has a
         checkpoint and was started with the same settings), the task's public anchors and
@@ -133,6 +134,9 @@ class GEPStrategy(Strategy):
                 Flower run shared with earlier trials: ``gep_fed.flower.search``).
             scored: the run will ask its sites for a score after its last round
                 (``RoundLoop.score_sites``): the round configs say so, and a site plans it.
+            selection: the trial's terms in a private selection with a random number of
+                trials (``wire.SelectionTerms`` as JSON): each site records the selection
+                once and the trial in a ledger of its own (central mode only).
 
         Raises:
             ValueError: the run directory was started with different settings.
@@ -156,7 +160,7 @@ class GEPStrategy(Strategy):
             # client_app.py: a site; its privacy policy and ledger come from its node config
             app = make_client_app()
         """
-        server = open_server(fed, run_id, round_offset, scored)
+        server = open_server(fed, run_id, round_offset, scored, selection)
         return cls(server, progress=progress, on_round=on_round)
 
     def record_outcome(self, interrupted: str | None = None) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -71,6 +72,7 @@ from gep_fed.federation.tuning import (
     calibrate_selection_epsilon,
     law_text,
 )
+from gep_fed.federation.wire import SelectionTerms
 from gep_fed.files import write_bytes_atomically
 from gep_fed.flower import search  # a module: tests replace its simulate_search
 from gep_fed.flower.interrupt import RunInterrupted
@@ -86,6 +88,8 @@ RunTrials = Callable[[Sequence[TrialSpec], "search.OnTrial"], None]
 TUNE_FORMAT = "gep-fed-tune/1"
 TUNE_JSON = "tune.json"
 TUNE_MD = "tune.md"
+# A random K's search id under flwr run: the sites record its selection once per id.
+SEARCH_ID = "search-id"
 OUTSIDE = "OUTSIDE THE GUARANTEE"
 
 
@@ -351,6 +355,9 @@ def tune(
     """
     say = log or (lambda line: None)
     options = dict(simulate_options or {})
+    # Under flwr run the sites (deployed ones too) record a random K's selection themselves,
+    # from the round configs; a simulation's server records it in its simulated sites' ledgers.
+    sites_record = run_trials is not None and config.random_trials is not None
     if run_trials is None:
 
         def run_trials(specs: Sequence[TrialSpec], on_trial: search.OnTrial) -> None:
@@ -371,8 +378,10 @@ def tune(
         stopped = saved["stopped"]
         say(f"tune: resuming {out} after {len(trials)} of its {len(plan)} trial(s)")
     else:
-        plan, epsilon, planned, stopped = _plan(config, planner, rng, out, sites_dir, options, say)
+        record = None if sites_record else sites_dir
+        plan, epsilon, planned, stopped = _plan(config, planner, rng, out, record, options, say)
         trials = []
+    terms = _selection_terms(out, planner, epsilon) if sites_record else None
     site_settings = _trial_site_settings(config, planner, sites_dir, epsilon)
     trained = None
     base = config.candidate_config(0)
@@ -380,7 +389,8 @@ def tune(
         trained = _trained_examples(base, site_settings, options)
     _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     # the plan is on disk before any trial: a resume runs the same one
-    fixed = config.random_trials is None  # one ledger per site, else the trial's own
+    # one ledger per site, else the trial's own (beside a site's ledger: its own records)
+    fixed = config.random_trials is None or sites_record
     specs = []
     for n, index in enumerate(plan, 1):
         if n <= len(trials) or stopped:
@@ -392,7 +402,8 @@ def tune(
         )
         if trained is not None:
             fed = replace(fed, total_examples=trained)
-        specs.append(TrialSpec(n, fed, site_settings, config.site_score is not None))
+        selection = "" if terms is None else replace(terms, trial=n).to_json()
+        specs.append(TrialSpec(n, fed, site_settings, config.site_score is not None, selection))
 
     def ledgers(spec: TrialSpec) -> Path:
         return sites_dir if fixed else Path(spec.fed.run_directory("")) / "sites"
@@ -572,10 +583,21 @@ def _trial_site_settings(
     }
 
 
+def _selection_terms(out: Path, planner: TrialPlanner, epsilon: float) -> SelectionTerms:
+    """A random K's terms for the sites to record (trial 1's; each trial sets its own):
+    the selection's event and the search's id, drawn once by the OS's CSPRNG and kept in
+    ``out`` (a resumed search is the same one: the sites record it once)."""
+    path = out / SEARCH_ID
+    if not path.exists():
+        write_bytes_atomically(path, secrets.token_hex(16).encode())
+    return SelectionTerms(path.read_text().strip(), 1, planner.selection_event(epsilon))
+
+
 def _plan(config, planner, rng, out, sites_dir, options, say):
     """A fresh tuning's (plan, per-trial epsilon, planned epsilon, why it stopped at once):
     the trials drawn and their common budget calibrated; a random K's selection recorded in
-    every site's ledger (a refusal stops the tuning before any trial)."""
+    every simulated site's ledger in ``sites_dir`` (a refusal stops the tuning before any
+    trial; None: the sites record it from the round configs, under ``flwr run``)."""
     plan = config.plan(rng)
     if config.random_trials is None:
         epsilon, planned = calibrate_plan(planner, plan, CALIBRATION_TOLERANCE)
@@ -594,7 +616,8 @@ def _plan(config, planner, rng, out, sites_dir, options, say):
         "the trusted server's record: publishing them is outside the guarantee"
     )
     stopped = None
-    refused = _record_selection(config, planner.selection_event(epsilon), sites_dir, options)
+    event = planner.selection_event(epsilon)
+    refused = {} if sites_dir is None else _record_selection(config, event, sites_dir, options)
     if refused:
         who = "; ".join(f"{s} ({why})" for s, why in refused.items())
         stopped = f"the selection was refused before any trial by {who}"

@@ -1,0 +1,118 @@
+"""Issue 53: a private selection with a random number of trials, recorded by each site itself
+(``gep_fed.federation.site_selection``, as under ``flwr run``): the whole selection once per
+search in the site's own ledger, against its own budget, and each trial in a ledger of its
+own, under the selection's bound of one trial at every RDP order."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from test_wire import round_config
+
+from gep_fed.accounting.events import PrivacyEvent, Selection, epsilon_rdp
+from gep_fed.accounting.ledger import (
+    BudgetExceededError,
+    PrivacyLedger,
+    create_ledger_key,
+    default_key_path,
+)
+from gep_fed.federation import wire
+from gep_fed.federation.policy import SitePolicy
+from gep_fed.federation.site_score import score_event
+from gep_fed.federation.site_selection import selection_folder, trial_ledger
+from gep_fed.federation.wire import RoundRefused, SelectionTerms
+
+SEARCH = "0123456789abcdef" * 2
+
+
+def one_step(sigma: float = 2.0) -> PrivacyEvent:
+    """One central-mode GEP step at q = 0.2 (sensitivity sqrt(2): accounted at sigma/sqrt 2)."""
+    return PrivacyEvent.gaussian(
+        "gep", sigma, 0.2, 1, sigma / math.sqrt(2), party="site-0", placement="trusted-server"
+    )
+
+
+def selection(steps: int = 4, score: float | None = None) -> PrivacyEvent:
+    """A geometric number of trials of mean 2, each at most ``steps`` such steps (and one
+    score of that accounting noise multiplier)."""
+    return replace(one_step(), steps=steps, party="", selection=Selection(2.0, 1.0, score))
+
+
+def site_ledger(tmp_path, budget: float = 8.0) -> PrivacyLedger:
+    path = tmp_path / "site" / "ledger.json"
+    key = create_ledger_key(default_key_path(path))
+    return PrivacyLedger.open(path, 1e-5, budget, "site-0", key=key, create=True)
+
+
+def test_a_site_records_a_searchs_selection_once_and_each_trial_in_a_ledger_of_its_own(tmp_path):
+    main, event = site_ledger(tmp_path), selection()
+    first = trial_ledger(main, SelectionTerms(SEARCH, 1, event))
+    second = trial_ledger(PrivacyLedger.load_keyed(main.path), SelectionTerms(SEARCH, 2, event))
+    reloaded = PrivacyLedger.load_keyed(main.path)
+    (recorded,) = reloaded.events
+    assert recorded == replace(event, party="site-0")
+    assert reloaded.epsilon() == pytest.approx(epsilon_rdp([event], 1e-5))
+    assert first.path != second.path and first.events == second.events == ()
+    assert first.path.parent == selection_folder(main.path, SEARCH)
+    assert first.key == main.key  # under the site's own key, each with a mark of its own
+    trial_ledger(reloaded, SelectionTerms("f" * 32, 1, event))  # another search: another one
+    assert len(PrivacyLedger.load_keyed(main.path).events) == 2
+
+
+def test_a_search_whose_terms_change_under_its_id_is_refused_and_records_nothing(tmp_path):
+    main = site_ledger(tmp_path)
+    trial_ledger(main, SelectionTerms(SEARCH, 1, selection(steps=4)))
+    with pytest.raises(RoundRefused, match="malformed round"):
+        trial_ledger(main, SelectionTerms(SEARCH, 2, selection(steps=40)))
+    assert len(PrivacyLedger.load_keyed(main.path).events) == 1
+
+
+def test_a_site_whose_budget_cannot_hold_the_selection_refuses_it_and_records_nothing(tmp_path):
+    event = selection()
+    main = site_ledger(tmp_path, budget=0.99 * epsilon_rdp([event], 1e-5))
+    with pytest.raises(RoundRefused, match="over budget"):
+        trial_ledger(main, SelectionTerms(SEARCH, 1, event))
+    assert PrivacyLedger.load_keyed(main.path).events == ()
+    assert not selection_folder(main.path, SEARCH).exists()
+
+
+def test_a_trial_releases_up_to_the_selections_bound_of_one_trial_and_no_more(tmp_path):
+    main = site_ledger(tmp_path)
+    trial = trial_ledger(main, SelectionTerms(SEARCH, 1, selection(steps=4)))
+    trial.record(one_step(), one_step(), one_step(), one_step())  # the bound: 4 such steps
+    with pytest.raises(BudgetExceededError, match="above the curve"):
+        trial.record(one_step())
+    assert PrivacyLedger.load(trial.path, main.key, trial.mark_path).steps == 4
+    # fewer steps than the bound, but one of less noise than the bound's: above its curve
+    other = trial_ledger(main, SelectionTerms(SEARCH, 2, selection(steps=4)))
+    with pytest.raises(BudgetExceededError, match="above the curve"):
+        other.record(one_step(0.9))
+    assert other.events == ()
+
+
+def test_a_trials_score_fits_its_bound_once(tmp_path):
+    score = score_event(2.0, "site-0")  # the sites' noised counts, as their ledgers hold them
+    event = selection(steps=2, score=score.accounting_noise_multiplier)
+    trial = trial_ledger(site_ledger(tmp_path), SelectionTerms(SEARCH, 1, event))
+    trial.record(one_step(), one_step(), score)
+    with pytest.raises(BudgetExceededError, match="above the curve"):
+        trial.record(score)
+
+
+@pytest.mark.parametrize(("mode", "refused"), [("central", False), ("client", True)])
+def test_a_site_takes_part_in_a_selection_in_central_mode_only(mode, refused):
+    """The selection's bound covers what a trusted server publishes; in client mode the
+    server sees every trial's releases, so a site refuses a selection there even where it
+    accepts the mode."""
+    rc = replace(round_config(), mode=mode)
+    rc = replace(rc, selection=SelectionTerms(SEARCH, 1, selection()).to_json())
+    assert wire.RoundConfig.from_record(rc.to_record()) == rc
+    policy = SitePolicy(epsilon_budget=8.0, delta=1e-5, accepted_modes=("client", "central"))
+    if refused:
+        with pytest.raises(RoundRefused, match="mode not allowed"):
+            policy.admit(rc, None)
+    else:
+        policy.admit(rc, None)
+        policy.admit(replace(rc, mode="client", selection=""), None)  # client, no selection
