@@ -10,15 +10,22 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tune_task import SMALL_TRIAL, TUNE_TASK
 
-from gep_fed.accounting.events import ImpossibleTargetError, epsilon_rdp
-from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.accounting.events import (
+    ImpossibleTargetError,
+    epsilon_pld,
+    epsilon_rdp,
+    rdp_curve,
+)
+from gep_fed.accounting.ledger import PrivacyLedger, default_key_path, read_ledger_key
 from gep_fed.accounting.selection import PoissonTrials
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import RunDirectory
 from gep_fed.federation.site_score import SiteScore
+from gep_fed.federation.site_selection import selection_folder, trial_run_curve
 from gep_fed.federation.tuning import (
     TrialPlanner,
     TuneConfig,
@@ -28,7 +35,7 @@ from gep_fed.federation.tuning import (
 )
 from gep_fed.flower import search
 from gep_fed.flower.simulation import SimulationResult
-from gep_fed.flower.tuning import OUTSIDE, TuneInterrupted, tune
+from gep_fed.flower.tuning import OUTSIDE, SEARCH_ID, TuneInterrupted, tune
 from gep_fed.validation import ConfigError
 
 TASK, BASE = TUNE_TASK, SMALL_TRIAL  # tests/tune_task.py: digits with a validation split
@@ -175,8 +182,8 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
     holds the whole selection as one event whose run is a trial's rounds and its score,
     equal to dp-accounting's RepeatAndSelectDpEvent of that run and to the independent
     Papernot & Steinke figure over the candidates' curves (rounds and score); each trial's
-    own site ledgers hold its rounds and one score, within the trial's budget; the sites'
-    noised counts choose."""
+    own ledgers at the sites hold its rounds and one score, under the selection's bound of
+    one trial; the sites' noised counts choose."""
     from dp_accounting import dp_event
     from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
@@ -217,11 +224,15 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
         assert ledger.epsilon() <= 8.0
     without = TuneConfig(config.base, config.candidates, random_trials=PoissonTrials(2.0))
     assert ledger.epsilon() > epsilon_rdp([TrialPlanner(without).selection_event(epsilon)], 1e-5)
-    budget = planner.trial_budget(epsilon)
+    site_ledger = tmp_path / "tune" / "sites" / "site-0" / "ledger.json"
+    search_id = (tmp_path / "tune" / SEARCH_ID).read_text()
+    run_bound = trial_run_curve(replace(event, party="site-0"))
     for trial in result.trials:  # each trial's own ledgers: its rounds and one score
-        ledger = PrivacyLedger.load_keyed(Path(trial.run_dir) / "sites" / "site-0" / "ledger.json")
+        path = selection_folder(site_ledger, search_id) / f"trial-{trial.trial:03d}.json"
+        key = read_ledger_key(default_key_path(site_ledger))
+        ledger = PrivacyLedger.load(path, key, path.with_suffix(".mark"))
         assert [e.mechanism for e in ledger.events][-1] == "site-score"
-        assert ledger.budget_epsilon == budget and ledger.epsilon() <= budget
+        assert np.all(rdp_curve(ledger.events) <= run_bound * (1 + 1e-9))
         assert ledger.epsilon() == pytest.approx(
             epsilon_rdp(planner.trial(trial.candidate - 1, epsilon)[1], 1e-5)
         )
@@ -583,18 +594,26 @@ def independent_selection_epsilon(config: TuneConfig, epsilon: float) -> float:
     return compute_epsilon(RDP_ORDERS, exact, config.total_delta)[0]
 
 
-def test_a_random_number_of_trials_is_one_selection_in_every_sites_ledger(tmp_path, monkeypatch):
+def test_a_random_number_of_trials_is_one_selection_that_every_round_config_carries(
+    tmp_path, monkeypatch
+):
     """Central mode, K ~ logarithmic of mean 3 (seeded here; the OS draws it in real use):
-    the search runs the K trials drawn, each within its own per-trial budget; every site's
-    ledger holds the whole selection as one event (dp-accounting's RepeatAndSelectDpEvent),
+    the search runs the K trials drawn, each at the per-trial budget, with the sites' one
+    ledger each and their whole budget; every trial's round configs carry the selection's
+    terms for the sites to record (tests/test_site_selection.py): the search's one id, the
+    trial, and the whole selection as one event (dp-accounting's RepeatAndSelectDpEvent),
     equal to the independent Papernot & Steinke computation over the candidates' curves."""
     import math
 
     from gep_fed.accounting.selection import TruncatedNegativeBinomial
+    from gep_fed.federation.wire import SelectionTerms
 
-    calls = []
+    calls, specs = [], []
+    trials = per_trial(canned_simulate({0.5: 0.6, 2.0: 0.8}, calls))
     monkeypatch.setattr(
-        search, "simulate_search", per_trial(canned_simulate({0.5: 0.6, 2.0: 0.8}, calls))
+        search,
+        "simulate_search",
+        lambda given, on_trial, **options: specs.extend(given) or trials(given, on_trial),
     )
     config = TuneConfig(
         base(mode="central", rounds=4),
@@ -606,17 +625,20 @@ def test_a_random_number_of_trials_is_one_selection_in_every_sites_ledger(tmp_pa
     result = tune(config, rng=random.Random(11))
     plan = config.plan(random.Random(11))
     assert result.plan == tuple(i + 1 for i in plan) and len(plan) == len(calls) >= 1
-    for fed, sites in calls:  # each trial at the per-trial budget, in ledgers of its own
+    for fed, sites in calls:  # each trial at the per-trial budget, the sites' own ledgers
         assert fed.target_epsilon == pytest.approx(result.per_trial_epsilon)
-        assert sites["epsilon-budget"] == result.per_trial_epsilon and "ledger-dir" not in sites
+        assert sites["epsilon-budget"] == 4.0
+        assert sites["ledger-dir"] == str(tmp_path / "tune" / "sites")
     assert 4.0 - 1e-3 <= result.planned_epsilon_rdp <= 4.0
     independent = independent_selection_epsilon(config, result.per_trial_epsilon)
-    for site in ("site-0", "site-1", "site-2"):
-        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        (event,) = ledger.events
-        assert event.selection == config.selection and event.party == site
-        assert ledger.epsilon() == pytest.approx(independent, abs=1e-6)
-        assert math.isnan(ledger.epsilon("pld"))  # dp-accounting has no PLD for a selection
+    search_id = (tmp_path / "tune" / SEARCH_ID).read_text()
+    for spec in specs:
+        terms = SelectionTerms.from_json(spec.selection)
+        assert (terms.search, terms.trial) == (search_id, spec.number)
+        assert terms.event.selection == config.selection
+        assert epsilon_rdp([terms.event], 1e-5) == pytest.approx(independent, abs=1e-6)
+        assert epsilon_rdp([terms.event], 1e-5) == pytest.approx(result.planned_epsilon_rdp)
+        assert math.isnan(epsilon_pld([terms.event], 1e-5))  # no PLD for a selection
     # three trials composed would each get less (2.16 against 2.81)
     fixed = TuneConfig(config.base, config.candidates, trials=3, target_epsilon=4.0)
     assert result.per_trial_epsilon > calibrate_trial_epsilon(fixed, fixed.plan())[0] + 0.1
@@ -642,11 +664,12 @@ def test_candidates_of_different_lengths_are_bounded_by_their_worst_release_repe
     assert independent_selection_epsilon(config, epsilon) < selected - 0.1
 
 
-def test_a_site_whose_budget_cannot_hold_the_selection_refuses_it_before_any_trial(
-    tmp_path, monkeypatch
+def test_a_site_whose_budget_cannot_hold_the_selection_refuses_its_rounds_and_records_nothing(
+    tmp_path,
 ):
-    calls = []
-    monkeypatch.setattr(search, "simulate_search", per_trial(canned_simulate({0.5: 0.6}, calls)))
+    """Each site records the selection at its first round, against its own budget (3,
+    below the selection's 4): every site refuses the first trial's rounds, the search stops
+    there, and no ledger holds anything."""
     config = TuneConfig(
         base(mode="central"),
         [{"server-lr": 0.5}],
@@ -655,12 +678,16 @@ def test_a_site_whose_budget_cannot_hold_the_selection_refuses_it_before_any_tri
         out_dir=str(tmp_path / "tune"),
         site_settings={"epsilon-budget": 3.0},
     )
-    result = tune(config, rng=random.Random(0))
-    assert calls == [] and result.trials == () and result.chosen is None
-    assert result.stopped.startswith("the selection was refused before any trial by site-0")
+    result = tune(config, rng=random.Random(0), simulate_options={"engine": "in-process"})
+    (trial,) = result.trials
+    rounds = f"1-{config.base.rounds}"
+    assert trial.status == "refused" and result.chosen is None
+    assert trial.refused_by == {f"site-{i}": f"over budget in round(s) {rounds}" for i in range(3)}
+    assert "refused" in result.stopped
     for site in ("site-0", "site-1", "site-2"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
         assert ledger.events == () and ledger.budget_epsilon == 3.0
+        assert not (ledger.path.parent / "ledger.json.selections").exists()
 
 
 def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
@@ -678,7 +705,8 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
     assert main([*args, "--mode", "central", "--out", str(tmp_path / "t")]) == 0
     printed = capsys.readouterr().out
     assert "a random number of trials (logarithmic, mean 2) of 2 candidate(s)" in printed
-    assert "each site's ledger: the selection, what the trusted server publishes" in printed
+    # (no site ran here: the summary gives the planned figure, and says so)
+    assert "each site's own ledger records the selection, what the trusted server" in printed
     assert main([*args, "--mode", "client", "--out", str(tmp_path / "t2")]) == 2
     assert "in client mode the server sees every trial" in capsys.readouterr().err
     assert main([*args[:-4], "--random-trials", "0.5", "--out", str(tmp_path / "t3")]) == 2
@@ -738,11 +766,17 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
         tune(config)
 
 
-def test_a_resumed_random_search_records_its_selection_once(tmp_path, monkeypatch):
+def test_a_resumed_random_search_is_recorded_once_and_its_trials_rounds_once(tmp_path, monkeypatch):
+    """Ctrl-C in the second trial's first round; the rerun resumes the plan on disk (the OS
+    would draw a new K) under the same search id: each site's ledger holds the selection
+    once, and each trial's own ledger each of its rounds once."""
+    import os
+    import signal
+
+    from gep_fed.federation import wire
+    from gep_fed.flower import clientapp
+
     seed = next(s for s in range(100) if geometric(3.0).sample(random.Random(s)) >= 2)
-    calls = []
-    fake = canned_simulate({0.5: 0.6, 2.0: 0.8}, calls)
-    monkeypatch.setattr(search, "simulate_search", per_trial(interrupting(fake, 2, calls)))
     config = TuneConfig(
         base(mode="central"),
         [{"server-lr": 0.5}, {"server-lr": 2.0}],
@@ -750,12 +784,28 @@ def test_a_resumed_random_search_records_its_selection_once(tmp_path, monkeypatc
         target_epsilon=4.0,
         out_dir=str(tmp_path / "tune"),
     )
-    from gep_fed.flower.interrupt import RunInterrupted
+    rounds, handle, sent = config.base.rounds, clientapp.handle_train, []
 
-    with pytest.raises(RunInterrupted):
-        tune(config, rng=random.Random(seed))
-    result = tune(config)  # the OS would draw a new K: the one on disk is used
+    def interrupting(msg, context, *args):
+        record = msg.content.config_records.get(wire.ROUND_CONFIG)
+        if record is not None and record["round"] == rounds + 1 and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: a stop request
+        return handle(msg, context, *args)
+
+    monkeypatch.setattr(clientapp, "handle_train", interrupting)
+    options = {"engine": "in-process"}
+    with pytest.raises(TuneInterrupted, match="in trial 2 of"):
+        tune(config, rng=random.Random(seed), simulate_options=options)
+    result = tune(config, simulate_options=options)
     assert result.plan == tuple(i + 1 for i in config.plan(random.Random(seed)))
+    assert [t.status for t in result.trials] == ["finished"] * len(result.plan)
+    search_id = (tmp_path / "tune" / SEARCH_ID).read_text()
     for site in ("site-0", "site-1", "site-2"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
         assert len(ledger.events) == 1 and ledger.events[0].selection == config.selection
+        for n in range(1, len(result.plan) + 1):
+            path = selection_folder(ledger.path, search_id) / f"trial-{n:03d}.json"
+            trial = PrivacyLedger.load(path, ledger.key, path.with_suffix(".mark"))
+            # each round once (numbered as the sites were sent it: the rerun is a new run)
+            assert len(trial.events) == trial.steps == rounds

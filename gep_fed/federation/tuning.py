@@ -383,18 +383,6 @@ class TrialPlanner:
     def selected(self, epsilon: float) -> float:
         return epsilon_rdp([self.selection_event(epsilon)], self.config.total_delta)
 
-    def trial_budget(self, epsilon: float) -> float:
-        """What one trial may spend in its own ledgers, at per-trial budget ``epsilon``:
-        ``epsilon`` (each candidate's rounds are calibrated to it), or with site scores the
-        most any candidate's rounds and score compose to, which the selection's bound of one
-        run covers (its rounds' curve lies under the bound's)."""
-        if self.config.site_score is None:
-            return epsilon
-        delta = self.config.total_delta
-        candidates = range(len(self.config.candidates))
-        spent = max(epsilon_rdp(self.trial(i, epsilon)[1], delta) for i in candidates)
-        return max(epsilon, spent * (1 + 1e-9))  # a rounding margin: the ledger composes these
-
 
 def calibrate_trial_epsilon(
     config: TuneConfig, plan: Sequence[int], tol: float = CALIBRATION_TOLERANCE

@@ -10,9 +10,11 @@ What the sites record. A fixed number of trials: the simulated sites of every tr
 their ledgers in one folder, each site's budget the tuning's total, so a site refuses a trial
 that would take it beyond its budget ("over budget"); the tuning then records that trial as
 refused, names the site, and stops with the trials done. A random number of trials (central
-mode): every site's ledger records the selection once, before the first trial, refusing it
-where it exceeds the site's budget, and each trial runs with ledgers of its own at the
-per-trial budget; the list of trials, their scores and K itself are the trusted server's
+mode): every round config carries the selection's terms, and each site records the selection
+once in its ledger (refusing the first round where it exceeds the site's budget) and each
+trial in a ledger of the trial's own, under the selection's bound of one trial
+(``gep_fed.federation.site_selection``, the same in simulation and under ``flwr run``); the
+list of trials, their scores and K itself are the trusted server's
 record, and publishing them is outside the guarantee (``tune.md`` says so where it lists
 them). The selection score is computed by the server on its own validation data, which holds
 no site's data: the score, the choice and the chosen model are post-processing. Where the
@@ -43,18 +45,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gep_fed.accounting.events import (
-    PrivacyEvent,
-)
 from gep_fed.accounting.ledger import (
-    BudgetExceededError,
     PrivacyLedger,
-    create_ledger_key,
-    default_key_path,
-    read_ledger_key,
 )
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.policy import SiteConfig, simulated_site_name
+from gep_fed.federation.policy import SiteConfig
 from gep_fed.federation.rundir import (
     BEST_MODEL,
     MODEL,
@@ -355,9 +350,6 @@ def tune(
     """
     say = log or (lambda line: None)
     options = dict(simulate_options or {})
-    # Under flwr run the sites (deployed ones too) record a random K's selection themselves,
-    # from the round configs; a simulation's server records it in its simulated sites' ledgers.
-    sites_record = run_trials is not None and config.random_trials is not None
     if run_trials is None:
 
         def run_trials(specs: Sequence[TrialSpec], on_trial: search.OnTrial) -> None:
@@ -378,19 +370,17 @@ def tune(
         stopped = saved["stopped"]
         say(f"tune: resuming {out} after {len(trials)} of its {len(plan)} trial(s)")
     else:
-        record = None if sites_record else sites_dir
-        plan, epsilon, planned, stopped = _plan(config, planner, rng, out, record, options, say)
+        plan, epsilon, planned, stopped = _plan(config, rng, say)
         trials = []
-    terms = _selection_terms(out, planner, epsilon) if sites_record else None
-    site_settings = _trial_site_settings(config, planner, sites_dir, epsilon)
+    # a random K: the sites record its selection themselves, from the round configs
+    terms = None if config.random_trials is None else _selection_terms(out, planner, epsilon)
+    site_settings = _site_settings(config, sites_dir)
     trained = None
     base = config.candidate_config(0)
     if config.site_score and base.noise_mode.server_steps and base.total_examples is None:
         trained = _trained_examples(base, site_settings, options)
     _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
     # the plan is on disk before any trial: a resume runs the same one
-    # one ledger per site, else the trial's own (beside a site's ledger: its own records)
-    fixed = config.random_trials is None or sites_record
     specs = []
     for n, index in enumerate(plan, 1):
         if n <= len(trials) or stopped:
@@ -405,10 +395,7 @@ def tune(
         selection = "" if terms is None else replace(terms, trial=n).to_json()
         specs.append(TrialSpec(n, fed, site_settings, config.site_score is not None, selection))
 
-    def ledgers(spec: TrialSpec) -> Path:
-        return sites_dir if fixed else Path(spec.fed.run_directory("")) / "sites"
-
-    before = [_site_rows(ledgers(specs[0]))] if specs else []
+    before = [_site_rows(sites_dir)] if specs else []
     # a trial's first round as the sites number it (a site that knows no trials records it)
     ranges = search.trial_rounds(specs)
     firsts = {spec.number: first for spec, (first, _) in zip(specs, ranges, strict=True)}
@@ -417,14 +404,14 @@ def tune(
         nonlocal stopped
         index = plan[spec.number - 1]
         sigma = planner.trial(index, epsilon)[0]
-        rows = _rows_since(ledgers(spec), before[0], firsts[spec.number])
+        rows = _rows_since(sites_dir, before[0], firsts[spec.number])
         trial = _judged(config, spec.number, index, epsilon, sigma, sim, rows)
         trials.append(trial)
         stopped = _announce(trial, len(plan), say)
         _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
         following = specs.index(spec) + 1
         if following < len(specs):  # the next trial's rows are those after this one's
-            before[0] = _site_rows(ledgers(specs[following]))
+            before[0] = _site_rows(sites_dir)
         return stopped is None
 
     ended = len(trials)
@@ -558,27 +545,16 @@ def _resumable(out: Path, config: TuneConfig) -> dict | None:
     return saved
 
 
-def _trial_site_settings(
-    config: TuneConfig, planner: TrialPlanner, sites_dir: Path, epsilon: float
-) -> dict[str, object]:
-    """The simulated sites' settings in every trial. A fixed T: one ledger each across all
-    trials, in the tuning's folder, the total as their budget. A random K: each trial within
-    its own budget (its rounds and score, ``TrialPlanner.trial_budget``), in ledgers of its
-    own (the trial's run directory)."""
+def _site_settings(config: TuneConfig, sites_dir: Path) -> dict[str, object]:
+    """The simulated sites' settings in every trial: one ledger each across all trials, in
+    the tuning's folder, the total as their budget (a random K's trials in ledgers of their
+    own beside it: ``gep_fed.federation.site_selection``)."""
     held_out = config.site_score.site_settings() if config.site_score else {}
-    if config.random_trials is None:
-        return {
-            "epsilon-budget": config.total_epsilon,
-            "delta": config.total_delta,
-            **config.site_settings,
-            "ledger-dir": str(sites_dir),
-            **held_out,
-        }
-    budget = planner.trial_budget(epsilon)
     return {
+        "epsilon-budget": config.total_epsilon,
         "delta": config.total_delta,
         **config.site_settings,
-        "epsilon-budget": budget,
+        "ledger-dir": str(sites_dir),
         **held_out,
     }
 
@@ -593,14 +569,12 @@ def _selection_terms(out: Path, planner: TrialPlanner, epsilon: float) -> Select
     return SelectionTerms(path.read_text().strip(), 1, planner.selection_event(epsilon))
 
 
-def _plan(config, planner, rng, out, sites_dir, options, say):
+def _plan(config: TuneConfig, rng: random.Random | None, say) -> tuple:
     """A fresh tuning's (plan, per-trial epsilon, planned epsilon, why it stopped at once):
-    the trials drawn and their common budget calibrated; a random K's selection recorded in
-    every simulated site's ledger in ``sites_dir`` (a refusal stops the tuning before any
-    trial; None: the sites record it from the round configs, under ``flwr run``)."""
+    the trials drawn and their common budget calibrated."""
     plan = config.plan(rng)
     if config.random_trials is None:
-        epsilon, planned = calibrate_plan(planner, plan, CALIBRATION_TOLERANCE)
+        epsilon, planned = calibrate_plan(TrialPlanner(config), plan, CALIBRATION_TOLERANCE)
         say(
             f"tune: {len(plan)} trial(s) of {len(config.candidates)} candidate(s), each at "
             f"epsilon {epsilon:.4f}; together {planned:.4f} <= {config.total_epsilon:g} "
@@ -612,44 +586,14 @@ def _plan(config, planner, rng, out, sites_dir, options, say):
         f"tune: a random number of trials ({law_text(config.selection_record())}) of "
         f"{len(config.candidates)} candidate(s), each at epsilon {epsilon:.4f}; the "
         f"selection {planned:.4f} <= {config.total_epsilon:g} (RDP, Papernot & Steinke, "
-        f"delta={config.total_delta:g}) at every site. The trials and their number are "
-        "the trusted server's record: publishing them is outside the guarantee"
+        f"delta={config.total_delta:g}) at every site, which records it at its first round. "
+        "The trials and their number are the trusted server's record: publishing them is "
+        "outside the guarantee"
     )
-    stopped = None
-    event = planner.selection_event(epsilon)
-    refused = {} if sites_dir is None else _record_selection(config, event, sites_dir, options)
-    if refused:
-        who = "; ".join(f"{s} ({why})" for s, why in refused.items())
-        stopped = f"the selection was refused before any trial by {who}"
-        say(f"tune: REFUSED: {stopped}")
-        plan = ()
-    elif not plan:  # Poisson's K = 0: the selection publishes nothing, by design
-        stopped = "no trial was drawn (K = 0): the selection publishes nothing"
+    # Poisson's K = 0: the selection publishes nothing, by design
+    stopped = None if plan else "no trial was drawn (K = 0): the selection publishes nothing"
     say(f"tune: {len(plan)} trial(s) drawn")
     return plan, epsilon, planned, stopped
-
-
-def _record_selection(
-    config: TuneConfig, event: PrivacyEvent, sites_dir: Path, options: Mapping[str, object]
-) -> dict[str, str]:
-    """Record the whole selection in every simulated site's ledger (keyed, as a site keeps
-    it), before any trial: {site: why} for each site whose budget refuses it."""
-    site_data = options.get("site_data") or None
-    count = len(site_data) if site_data else config.base.num_sites
-    budget = config.site_settings.get("epsilon-budget", config.total_epsilon)
-    delta = config.site_settings.get("delta", config.total_delta)
-    refused = {}
-    for i in range(count):
-        name = simulated_site_name({"site-data": site_data, "partition-id": i})
-        path = sites_dir / name / "ledger.json"
-        key_file = default_key_path(path)
-        key = read_ledger_key(key_file) if key_file.exists() else create_ledger_key(key_file)
-        ledger = PrivacyLedger.open(path, delta, budget, name, key=key, create=True)
-        try:
-            ledger.record(replace(event, party=name))
-        except BudgetExceededError as err:
-            refused[name] = f"over budget: {err}"
-    return refused
 
 
 def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference=None):
@@ -989,10 +933,11 @@ def render_markdown(result: TuneResult) -> str:
         ]
     else:
         lines += [
-            f"Each site's ledger records the selection once, before the first trial: epsilon "
-            f"{_fmt(result.epsilon_rdp)} (RDP; PLD has none for a selection), delta "
-            f"{result.delta:g}, covering {_COVERS_SELECTION}. Each trial's own ledgers (in its run "
-            "directory) hold what that trial alone spent.",
+            f"Each site's ledger records the selection once, at the first round it is sent: "
+            f"epsilon {_fmt(result.epsilon_rdp)} (RDP; PLD has none for a selection), delta "
+            f"{result.delta:g}, covering {_COVERS_SELECTION}. Beside it, each trial's own "
+            "ledger (`<ledger>.selections/<search id>/`) holds what that trial alone spent, "
+            "under the selection's bound of one trial.",
             "",
         ]
     if result.site_epsilons:
