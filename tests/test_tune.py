@@ -178,7 +178,7 @@ def test_a_site_refuses_a_trial_whose_score_its_budget_cannot_hold_before_spendi
 def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_runs_hold_their_score(
     tmp_path,
 ):
-    """Central mode, a Poisson K (seeded here), no server validation: every site's ledger
+    """Central mode, a logarithmic K (seeded here), no server validation: every site's ledger
     holds the whole selection as one event whose run is a trial's rounds and its score,
     equal to dp-accounting's RepeatAndSelectDpEvent of that run and to the independent
     Papernot & Steinke figure over the candidates' curves (rounds and score); each trial's
@@ -193,12 +193,14 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
     config = TuneConfig(
         FederationConfig(**{**NO_VALIDATION, "mode": "central"}),
         [{"server-lr": 0.01}, {"server-lr": 2.0}],
-        random_trials=PoissonTrials(2.0),
+        random_trials=logarithmic(2.0),
         target_epsilon=8.0,
         out_dir=str(tmp_path / "tune"),
         site_score=score,
     )
-    assert config.selection == Selection(2.0, math.inf, 2.0 / 2**0.5)
+    selection = config.selection
+    assert selection == Selection(selection.mean, 0.0, 2.0 / 2**0.5)
+    assert selection.mean == pytest.approx(2.0)
     rng = random.Random(5)
     plan = config.plan(random.Random(5))
     assert len(plan) >= 2 and set(plan) == {0, 1}  # this seed runs both candidates
@@ -212,7 +214,7 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
     run = dp_event.ComposedDpEvent(
         [rounds.dp_event(), dp_event.GaussianDpEvent(score.event().accounting_noise_multiplier)]
     )
-    accountant.compose(dp_event.RepeatAndSelectDpEvent(run, 2.0, math.inf))
+    accountant.compose(dp_event.RepeatAndSelectDpEvent(run, selection.mean, 0.0))
     independent = independent_selection_epsilon(config, epsilon)  # its curves hold the scores
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
@@ -222,7 +224,7 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
         # one candidate's rounds ride on the other's (same rounds, sigma): the bound is exact
         assert ledger.epsilon() == pytest.approx(independent, rel=1e-6)
         assert ledger.epsilon() <= 8.0
-    without = TuneConfig(config.base, config.candidates, random_trials=PoissonTrials(2.0))
+    without = TuneConfig(config.base, config.candidates, random_trials=logarithmic(2.0))
     assert ledger.epsilon() > epsilon_rdp([TrialPlanner(without).selection_event(epsilon)], 1e-5)
     site_ledger = tmp_path / "tune" / "sites" / "site-0" / "ledger.json"
     search_id = (tmp_path / "tune" / SEARCH_ID).read_text()
@@ -555,6 +557,12 @@ def geometric(mean: float):
     return TruncatedNegativeBinomial.from_mean(1.0, mean)
 
 
+def logarithmic(mean: float):
+    from gep_fed.accounting.selection import TruncatedNegativeBinomial
+
+    return TruncatedNegativeBinomial.from_mean(0.0, mean)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -563,6 +571,8 @@ def geometric(mean: float):
         (dict(mode="central", trials=3), "either trials .* or random_trials, not both"),
         (dict(mode="central", law="tnb-0.5"), "a TNB of eta >= 0"),
         (dict(mode="central", law=3), "random_trials must be a TruncatedNegativeBinomial"),
+        # K = 0 would reach no site: the sites would record only selections of K >= 1
+        (dict(mode="central", law="poisson"), "a Poisson number of trials may draw K = 0"),
     ],
 )
 def test_a_random_number_of_trials_is_refused_where_its_bound_would_not_hold(settings, message):
@@ -571,6 +581,8 @@ def test_a_random_number_of_trials_is_refused_where_its_bound_would_not_hold(set
     law = settings.get("law", geometric(3.0))
     if law == "tnb-0.5":
         law = TruncatedNegativeBinomial(-0.5, 0.5)
+    if law == "poisson":
+        law = PoissonTrials(2.0)
     with pytest.raises(ConfigError, match=message):
         TuneConfig(
             base(mode=settings["mode"]),
@@ -603,7 +615,6 @@ def test_a_random_number_of_trials_is_one_selection_that_every_round_config_carr
     terms for the sites to record (tests/test_site_selection.py): the search's one id, the
     trial, and the whole selection as one event (dp-accounting's RepeatAndSelectDpEvent),
     equal to the independent Papernot & Steinke computation over the candidates' curves."""
-    import math
 
     from gep_fed.accounting.selection import TruncatedNegativeBinomial
     from gep_fed.federation.wire import SelectionTerms

@@ -86,8 +86,7 @@ def add_tune_parser(sub) -> None:
         choices=TRIAL_LAWS,
         default="geometric",
         help="the law of --random-trials: geometric or logarithmic (truncated negative "
-        "binomials of shape 1 and 0; logarithmic costs less privacy, with a heavier tail), "
-        "or poisson (for very private trials)",
+        "binomials of shape 1 and 0; logarithmic costs less privacy, with a heavier tail)",
     )
     p.add_argument(
         "--epsilon",

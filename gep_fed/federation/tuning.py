@@ -15,7 +15,7 @@ mode the server sees every trial's releases, so against it a site's guarantee is
 composition, which its ledger records and enforces.
 
 A random number of trials (``random_trials``, central mode only). The trusted server draws K
-from a declared law (truncated negative binomial or Poisson) by the OS CSPRNG and publishes
+from a declared law (a truncated negative binomial, so K >= 1) by the OS CSPRNG and publishes
 only the best trial's candidate, score and model. Papernot & Steinke's bound (dp-accounting's
 ``RepeatAndSelectDpEvent``) covers that publication as one event, whatever K turns out to be:
 each trial is bounded by one release repeated (the largest q, the smallest noise and the most
@@ -176,10 +176,18 @@ class TuneConfig:
 
     def _check_random_trials(self) -> None:
         law = self.random_trials
-        if not isinstance(law, TruncatedNegativeBinomial | PoissonTrials):
+        if isinstance(law, PoissonTrials):
+            # the sites record the selection at the first round they are sent; at K = 0 none
+            # is sent, so the selections they record would be those of K >= 1, a conditioning
+            # that the Poisson bound (which counts K = 0 as publishing nothing) does not cover
             raise ConfigError(
-                f"random_trials must be a TruncatedNegativeBinomial or PoissonTrials, got {law!r}"
+                "a Poisson number of trials may draw K = 0, and then no site takes part, so "
+                "the sites would record only selections of K >= 1, which the Poisson bound "
+                "does not cover: use a truncated negative binomial (geometric or "
+                "logarithmic), where K >= 1"
             )
+        if not isinstance(law, TruncatedNegativeBinomial):
+            raise ConfigError(f"random_trials must be a TruncatedNegativeBinomial, got {law!r}")
         if self.trials is not None:
             raise ConfigError("give either trials (a fixed T) or random_trials, not both")
         if isinstance(law, TruncatedNegativeBinomial) and law.eta < 0:
@@ -203,7 +211,7 @@ class TuneConfig:
         law = self.random_trials
         if law is None:
             return None
-        shape = math.inf if isinstance(law, PoissonTrials) else float(law.eta)
+        shape = float(law.eta)
         score = self.site_score.event().accounting_noise_multiplier if self.site_score else None
         return Selection(float(law.mean), shape, score)
 
@@ -515,8 +523,6 @@ def candidates_from_toml(path: str | Path) -> tuple[dict[str, object], list[dict
 
 
 def law_text(selection: Mapping[str, object]) -> str:
-    if selection["distribution"] == "poisson":
-        return f"Poisson, mean {selection['mean']:.3g}"
     names = {0.0: "logarithmic", 1.0: "geometric"}
     eta = float(selection["eta"])
     law = names.get(eta, f"truncated negative binomial, eta {eta:g}")
@@ -526,8 +532,8 @@ def law_text(selection: Mapping[str, object]) -> str:
 # -- a search from its inputs: the CLI's options or a Flower run config ----------------------
 
 # The laws of a random number of trials by name: a truncated negative binomial's eta
-# (geometric 1, logarithmic 0), or Poisson (None).
-TRIAL_LAWS = {"geometric": 1.0, "logarithmic": 0.0, "poisson": None}
+# (geometric 1, logarithmic 0). Not Poisson: its K = 0 reaches no site (``TuneConfig``).
+TRIAL_LAWS = {"geometric": 1.0, "logarithmic": 0.0}
 
 # A search under ``flwr run``: the run config's keys beside ``FederationConfig``'s, "default"
 # meaning not given (tests/test_config.py pins them in the app's pyproject.toml). A run config
@@ -536,7 +542,7 @@ TRIAL_LAWS = {"geometric": 1.0, "logarithmic": 0.0, "poisson": None}
 SEARCH_RUN_CONFIG = {
     "tune-candidates": RUN_CONFIG_DEFAULT,  # --candidates
     "tune-trials": RUN_CONFIG_DEFAULT,  # --trials
-    # --random-trials and --trials-law: refused under flwr run, with the reason
+    # --random-trials and --trials-law (central mode)
     "tune-random-trials": RUN_CONFIG_DEFAULT,
     "tune-trials-law": RUN_CONFIG_DEFAULT,
     "tune-reference": RUN_CONFIG_DEFAULT,  # --reference
@@ -558,8 +564,6 @@ def trial_law(
         raise ConfigError(f"{name} must be a mean number of trials >= 1, got {mean:g}")
     if law not in TRIAL_LAWS:
         raise ConfigError(f"the law of {name} must be one of {sorted(TRIAL_LAWS)}, got {law!r}")
-    if TRIAL_LAWS[law] is None:
-        return PoissonTrials(float(mean))
     return TruncatedNegativeBinomial.from_mean(TRIAL_LAWS[law], float(mean))
 
 

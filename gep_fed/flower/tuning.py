@@ -590,10 +590,8 @@ def _plan(config: TuneConfig, rng: random.Random | None, say) -> tuple:
         "The trials and their number are the trusted server's record: publishing them is "
         "outside the guarantee"
     )
-    # Poisson's K = 0: the selection publishes nothing, by design
-    stopped = None if plan else "no trial was drawn (K = 0): the selection publishes nothing"
     say(f"tune: {len(plan)} trial(s) drawn")
-    return plan, epsilon, planned, stopped
+    return plan, epsilon, planned, None
 
 
 def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference=None):
