@@ -321,9 +321,9 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
     # Policy and layout first: a refused round changes nothing the site holds.
     site.admit(rc, last_round)
     ledger = site.ledger
+    context.state[SELECTION_KEY] = ConfigRecord({SELECTION_KEY: rc.selection})  # its score's
     if rc.selection_terms is not None:  # the selection in its ledger, the trial in its own
         site.ledger = trial_ledger(ledger, rc.selection_terms)
-    context.state[SELECTION_KEY] = ConfigRecord({SELECTION_KEY: rc.selection})  # its score's
     if rc.noise_mode.secure_sum:  # a share leaves only masked, after the keys are checked
         agreement = _checked_keys(msg, context, rc, site, served)
     state = wire.decode_state(msg.content.array_records[wire.GLOBAL_MODEL], site.model.state_dict())
