@@ -116,3 +116,16 @@ def test_a_site_takes_part_in_a_selection_in_central_mode_only(mode, refused):
     else:
         policy.admit(rc, None)
         policy.admit(replace(rc, mode="client", selection=""), None)  # client, no selection
+
+
+def test_ledger_show_names_the_selection_and_where_its_trials_ledgers_are(tmp_path, capsys):
+    from gep_fed.cli.main import main
+
+    main_ledger = site_ledger(tmp_path)
+    for trial in (1, 2):
+        trial_ledger(main_ledger, SelectionTerms(SEARCH, trial, selection())).record(one_step())
+    assert main(["ledger", "show", str(main_ledger.path)]) == 0
+    shown = capsys.readouterr().out
+    assert "4 of those: a private selection (the best of a random number of runs of 4" in shown
+    folder = main_ledger.path.parent / "ledger.json.selections"
+    assert f"its selections' trials: 2 ledger(s) in {folder}" in shown

@@ -95,6 +95,15 @@ def _ledger_show(args: argparse.Namespace) -> int:
                 + (" and a noised score" if e.selection.score_noise_multiplier else "")
                 + f", mean {e.selection.mean:.3g}), accounted once"
             )
+    from gep_fed.federation.site_selection import selections_folder  # not for --help
+
+    searches = selections_folder(path)
+    if searches.is_dir():  # each trial of a private selection, in a ledger of its own
+        trials = sorted(searches.glob("*/trial-*.json"))
+        print(
+            f"  its selections' trials: {len(trials)} ledger(s) in {searches}, each under its "
+            "selection's bound of one trial"
+        )
     return 0
 
 

@@ -30,9 +30,14 @@ from gep_fed.files import write_bytes_atomically
 RECORDED = "selection.json"
 
 
+def selections_folder(ledger_path: Path) -> Path:
+    """Where a site keeps its searches, beside its ledger."""
+    return ledger_path.parent / f"{ledger_path.name}.selections"
+
+
 def selection_folder(ledger_path: Path, search: str) -> Path:
     """Where a site keeps a search's record and its trials' ledgers."""
-    return ledger_path.parent / f"{ledger_path.name}.selections" / search
+    return selections_folder(ledger_path) / search
 
 
 def trial_run_curve(event: PrivacyEvent):
