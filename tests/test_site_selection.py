@@ -19,6 +19,7 @@ from gep_fed.accounting.ledger import (
     default_key_path,
 )
 from gep_fed.federation import wire
+from gep_fed.federation.modes import MODE_NAMES
 from gep_fed.federation.policy import SitePolicy
 from gep_fed.federation.site_score import score_event
 from gep_fed.federation.site_selection import selection_folder, trial_ledger
@@ -101,15 +102,19 @@ def test_a_trials_score_fits_its_bound_once(tmp_path):
         trial.record(score)
 
 
-@pytest.mark.parametrize(("mode", "refused"), [("central", False), ("client", True)])
+@pytest.mark.parametrize(
+    ("mode", "refused"), [("central", False), ("client", True), ("distributed", True)]
+)
 def test_a_site_takes_part_in_a_selection_in_central_mode_only(mode, refused):
-    """The selection's bound covers what a trusted server publishes; in client mode the
-    server sees every trial's releases, so a site refuses a selection there even where it
-    accepts the mode."""
+    """The selection's bound covers what a trusted server publishes; in client and
+    distributed mode the server sees every trial's releases, so a site refuses a selection
+    there even where it accepts the mode."""
     rc = replace(round_config(), mode=mode)
     rc = replace(rc, selection=SelectionTerms(SEARCH, 1, selection()).to_json())
     assert wire.RoundConfig.from_record(rc.to_record()) == rc
-    policy = SitePolicy(epsilon_budget=8.0, delta=1e-5, accepted_modes=("client", "central"))
+    policy = SitePolicy(
+        epsilon_budget=8.0, delta=1e-5, accepted_modes=(*MODE_NAMES,), noise_shares=2
+    )
     if refused:
         with pytest.raises(RoundRefused, match="mode not allowed"):
             policy.admit(rc, None)

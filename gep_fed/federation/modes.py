@@ -48,7 +48,6 @@ class RoundConfig(Protocol):
     round: int
     privacy: PrivacyContract
     local_steps: int
-    selection: str
 
 
 class Site(Protocol):
@@ -92,9 +91,6 @@ class Mode:
         beyond its accepted modes (a ``wire.REFUSALS`` key), or None."""
         if rc.privacy.is_distributed:  # a quantised contract outside the secure sum
             return "malformed round"
-        if rc.selection and self.site_placement != "trusted-server":
-            # a selection's bound covers only what a trusted server publishes
-            return "mode not allowed"
         return None
 
     def steps_per_round(self, local_steps: int) -> int:

@@ -228,6 +228,10 @@ class SitePolicy:
             raise RoundRefused("mode not allowed")
         if last_round is not None and rc.round <= last_round:
             raise RoundRefused("replayed round")
+        if rc.selection and rc.noise_mode.site_placement != "trusted-server":
+            # a selection's bound covers only what a trusted server publishes; elsewhere the
+            # server sees every trial's releases
+            raise RoundRefused("mode not allowed")
         noise_free = rc.privacy.noise_multiplier == 0 and not rc.privacy.is_langevin
         if noise_free and not self.allow_no_noise:
             raise RoundRefused("over budget")  # epsilon would be infinite
