@@ -476,6 +476,13 @@ def default_key_path(ledger_path: str | Path) -> Path:
     return Path(str(ledger_path) + KEY_SUFFIX)
 
 
+def selections_folder(ledger_path: str | Path) -> Path:
+    """Where a site keeps its private selections' records and their trials' ledgers, beside
+    its ledger (``gep_fed.federation.site_selection``)."""
+    path = Path(ledger_path)
+    return path.parent / f"{path.name}.selections"
+
+
 def default_mark_path(key_path: str | Path) -> Path:
     """Where a keyed ledger's high-water mark lives: beside its key, ``<key>.mark``."""
     return Path(str(key_path) + MARK_SUFFIX)

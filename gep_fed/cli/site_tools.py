@@ -16,6 +16,7 @@ from gep_fed.accounting.ledger import (
     default_key_path,
     default_mark_path,
     read_ledger_key,
+    selections_folder,
 )
 from gep_fed.validation import ConfigError
 
@@ -95,8 +96,6 @@ def _ledger_show(args: argparse.Namespace) -> int:
                 + (" and a noised score" if e.selection.score_noise_multiplier else "")
                 + f", mean {e.selection.mean:.3g}), accounted once"
             )
-    from gep_fed.federation.site_selection import selections_folder  # not for --help
-
     searches = selections_folder(path)
     if searches.is_dir():  # each trial of a private selection, in a ledger of its own
         trials = sorted(searches.glob("*/trial-*.json"))

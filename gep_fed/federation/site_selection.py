@@ -23,16 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from gep_fed.accounting.events import PrivacyEvent, rdp_accountant
-from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger
+from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger, selections_folder
 from gep_fed.federation.wire import RoundRefused, SelectionTerms
 from gep_fed.files import write_bytes_atomically
 
 RECORDED = "selection.json"
-
-
-def selections_folder(ledger_path: Path) -> Path:
-    """Where a site keeps its searches, beside its ledger."""
-    return ledger_path.parent / f"{ledger_path.name}.selections"
 
 
 def selection_folder(ledger_path: Path, search: str) -> Path:
