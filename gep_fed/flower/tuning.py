@@ -45,9 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gep_fed.accounting.ledger import (
-    PrivacyLedger,
-)
+from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig
 from gep_fed.federation.rundir import (
@@ -83,7 +81,7 @@ RunTrials = Callable[[Sequence[TrialSpec], "search.OnTrial"], None]
 TUNE_FORMAT = "gep-fed-tune/1"
 TUNE_JSON = "tune.json"
 TUNE_MD = "tune.md"
-# A random K's search id under flwr run: the sites record its selection once per id.
+# A random K's search id, kept with its plan: the sites record its selection once per id.
 SEARCH_ID = "search-id"
 OUTSIDE = "OUTSIDE THE GUARANTEE"
 
@@ -409,9 +407,7 @@ def tune(
         trials.append(trial)
         stopped = _announce(trial, len(plan), say)
         _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
-        following = specs.index(spec) + 1
-        if following < len(specs):  # the next trial's rows are those after this one's
-            before[0] = _site_rows(sites_dir)
+        before[0] = _site_rows(sites_dir)  # the next trial's rows are those after this one's
         return stopped is None
 
     ended = len(trials)
