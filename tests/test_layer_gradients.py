@@ -156,11 +156,15 @@ def unused_head() -> nn.Module:
     return model
 
 
+def small_mnist_cnn() -> nn.Module:
+    return MnistCNN(image_size=16)
+
+
 MODELS = {
-    "mnist_cnn": (MnistCNN, (1, 28, 28)),
-    # 16x16: three stages (16, 8, 4 pixels) at a quarter of the positions of 32x32, whose
-    # factored inner products cost positions squared
-    "resnet20_gn": (resnet20_gn, (3, 16, 16)),
+    # small images (factored inner products cost positions squared) that still cross every
+    # layer: the CNN's two pooling stages (16, 8, 4 pixels), ResNet20's three stages (8, 4, 2)
+    "mnist_cnn": (small_mnist_cnn, (1, 16, 16)),
+    "resnet20_gn": (resnet20_gn, (3, 8, 8)),
     "frozen_layers": (frozen_mlp, (12,)),
     "layer_without_rule": (WithCustomLayer, (12,)),
     "shared_layer": (SharedLayer, (12,)),
