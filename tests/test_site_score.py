@@ -19,6 +19,7 @@ from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.data.builtin_tasks import DigitsTask
 from gep_fed.data.metrics import evaluate
+from gep_fed.data.task import CheckedExamples
 from gep_fed.federation import wire
 from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.site import Site, site_data_parts, site_dataset
@@ -27,6 +28,7 @@ from gep_fed.federation.site_score import (
     class_counts,
     held_out_mask,
     model_classes,
+    new_coins_key,
     noisy_counts,
     score_event,
     score_from_counts,
@@ -48,14 +50,19 @@ def small_data(n: int = 40, classes: int = 3) -> TensorDataset:
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, classes, (n,)))
 
 
+def checked(data, model: nn.Module, kind: str = "multiclass") -> CheckedExamples:
+    return CheckedExamples.of(data, kind, model)
+
+
 def test_removing_any_one_example_moves_the_counts_by_at_most_sqrt_2():
     """Brute force over every example: the release's L2 sensitivity is sqrt(2) (its class's
     count, and its right count when the model gets it right), attained, never exceeded."""
     model, data = small_classifier(), small_data()
-    full = class_counts(model, data, "multiclass", 3)
+    full = class_counts(model, checked(data, model), "multiclass", 3)
     moves = []
     for i in range(len(data)):
         rest = torch.utils.data.Subset(data, [j for j in range(len(data)) if j != i])
+        rest = checked(rest, model)
         moves.append(np.linalg.norm(full - class_counts(model, rest, "multiclass", 3)))
     assert max(moves) == pytest.approx(math.sqrt(2)) and min(moves) == pytest.approx(1.0)
 
@@ -162,7 +169,7 @@ def test_a_score_reply_is_exactly_its_counts():
 
 def test_exact_counts_give_the_metrics_balanced_accuracy():
     model, data = small_classifier(), small_data(200)
-    counts = class_counts(model, data, "multiclass", 3)
+    counts = class_counts(model, checked(data, model), "multiclass", 3)
     assert counts[0].sum() == 200
     expected = evaluate(model, data, "multiclass")
     got = score_from_counts(counts)
@@ -175,7 +182,7 @@ def test_a_binary_model_of_one_logit_is_counted_over_two_classes():
     model = nn.Linear(4, 1)
     data = TensorDataset(torch.randn(50, 4), torch.randint(0, 2, (50,)).float())
     assert model_classes(model, data[0][0]) == 2
-    counts = class_counts(model, data, "binary", 2)
+    counts = class_counts(model, checked(data, model, "binary"), "binary", 2)
     assert counts.shape == (2, 2) and counts[0].sum() == 50
     assert score_from_counts(counts)["accuracy"] == pytest.approx(
         evaluate(model, data, "binary")["accuracy"]
@@ -185,7 +192,7 @@ def test_a_binary_model_of_one_logit_is_counted_over_two_classes():
 def test_labels_outside_the_tasks_classes_count_nowhere():
     model = small_classifier()
     data = TensorDataset(torch.randn(4, 4), torch.tensor([0, 1, 7, -1]))
-    assert class_counts(model, data, "multiclass", 3)[0].sum() == 2
+    assert class_counts(model, checked(data, model), "multiclass", 3)[0].sum() == 2
 
 
 def test_the_noise_is_unbiased_of_the_sites_std():
@@ -202,13 +209,101 @@ def test_a_bad_site_score_is_named():
     with pytest.raises(ConfigError, match="noise_std must be a number"):
         SiteScore(0.2, "2")
     with pytest.raises(ConfigError, match="not for 'multilabel' tasks"):
-        class_counts(small_classifier(), small_data(), "multilabel", 3)
+        class_counts(small_classifier(), checked(small_data(), small_classifier()), "multilabel", 3)
 
 
 def test_split_site_data_keeps_every_example_once():
     data = small_data(100)
     train, held = split_site_data(data, 0.3)
     assert sorted(train.indices + held.indices) == list(range(100))
+
+
+class WithUnreadable(torch.utils.data.Dataset):
+    """``data`` with one more example at the end that cannot be read (a truncated file) or,
+    with ``shape``, that has another shape."""
+
+    def __init__(self, data, shape: tuple[int, ...] | None = None) -> None:
+        self.data, self.shape = data, shape
+
+    def __len__(self) -> int:
+        return len(self.data) + 1
+
+    def __getitem__(self, i):
+        if i < len(self.data):
+            return self.data[i]
+        if self.shape is None:
+            raise OSError("image file is truncated")
+        return torch.zeros(self.shape), torch.tensor(1)
+
+
+@pytest.mark.parametrize("shape", [None, (5,)], ids=["unreadable", "other-shape"])
+def test_a_held_out_example_that_cannot_be_read_counts_nowhere_and_the_score_is_released(
+    tmp_path, shape
+):
+    """A neighbouring data set with one bad held-out example gives a score reply, never an
+    error: the reply's kind would tell the server, without noise, that the example exists.
+    The counts are those of the data set without it (sensitivity 0 for that example)."""
+    data, held = split_site_data(small_data(60), 0.25, 5)
+    policy = SitePolicy(8.0, 1e-5, score_noise=2.0, noise_seed=4)
+    sites = [
+        Site("a", small_classifier(), data, policy, validation=v, ledger=PrivacyLedger(
+            1e-5, 8.0, "a", tmp_path / f"{i}.json"
+        ))
+        for i, v in enumerate([held, WithUnreadable(held, shape)])
+    ]  # fmt: skip
+    clean, neighbour = (
+        class_counts(site.model, site.validation, "multiclass", 3) for site in sites
+    )
+    assert np.array_equal(clean, neighbour) and clean[0].sum() == len(held)
+    released = sites[1].score_counts(3)
+    assert released.shape == (2, 3) and len(sites[1].ledger.events) == 1
+
+
+def test_a_coins_key_gives_the_same_held_out_examples_and_a_new_key_others():
+    key = new_coins_key()
+    a = held_out_mask(20000, 0.2, key=key)
+    assert torch.equal(a, held_out_mask(20000, 0.2, key=key))
+    assert torch.equal(held_out_mask(500, 0.2, key=key), a[:500])  # one more leaves the rest
+    assert not torch.equal(a, held_out_mask(20000, 0.2, key=new_coins_key()))
+    assert 0.17 < a.float().mean() < 0.23  # 10 std
+    with pytest.raises(ValueError, match="32 bytes"):
+        held_out_mask(10, 0.2, key=bytes(16))
+
+
+def test_every_message_of_a_run_holds_out_the_same_examples_at_a_deployed_site(tmp_path):
+    """A deployed site serves each message in a fresh process (no site cached): the key in
+    its run state keeps the held-out part, so a score never counts an example the run trained
+    on. Another run draws other coins."""
+    from flwr.app import Context, RecordDict
+
+    import gep_fed.flower.clientapp as client_app
+    from gep_fed.accounting.ledger import create_ledger_key, default_key_path
+    from gep_fed.data.datasets import load_digits
+
+    data = load_digits().subset(np.arange(400))
+    np.savez(tmp_path / "data.npz", images=data.images, labels=data.labels)
+    ledger = tmp_path / "ledger.json"
+    key = create_ledger_key(default_key_path(ledger))
+    PrivacyLedger.open(ledger, 1e-5, None, "h1", key=key, create=True)
+    node = {
+        "site-id": "h1", "task": "digits", "data-path": str(tmp_path / "data.npz"),
+        "ledger-path": str(ledger), "epsilon-budget": 8.0, "delta": 1e-5, "device": "cpu",
+        "validation-fraction": 0.25, "score-noise": 6.0,
+    }  # fmt: skip
+
+    def held_out(context):
+        client_app._SITES.clear()  # what a fresh process starts with
+        site = client_app._site(context, client_app.Served(None, None))
+        trained = set(site.dataset.dataset.indices)
+        held = set(site.validation.dataset.indices)
+        assert not trained & held and len(trained | held) == 400
+        return held
+
+    run = Context(1, 1, node, RecordDict(), {"task": "digits"})
+    first = held_out(run)
+    assert held_out(run) == first and 60 < len(first) < 140
+    assert held_out(Context(2, 1, node, RecordDict(), {"task": "digits"})) != first
+    client_app._SITES.clear()
 
 
 def test_a_run_asks_its_sites_for_a_score_and_names_those_that_release_none(tmp_path):

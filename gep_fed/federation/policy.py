@@ -103,7 +103,7 @@ NODE_CONFIG_KEYS = {
     "device": "auto (cuda when available), cpu or cuda",
     "num-workers": "DataLoader worker processes that decode the sampled examples (0)",
     "validation-fraction": "share of the site's examples it holds out (each by a secret coin "
-    "drawn afresh each run, never trained on in that run) to score a model when asked "
+    "drawn once each run, never trained on in that run) to score a model when asked "
     "(gep-fed tune --site-validation); 0: none",
     "score-noise": "the std of the Gaussian noise this site adds to each count of a score "
     "(one release per query, in its ledger); without it the site releases no score",

@@ -131,7 +131,15 @@ class Site:
         self.augmentation = augmentation
         self.observers = Observers(observers)
         self.kind = kind
-        self.validation = validation
+        # Checked like the training part: an unreadable held-out example counts nowhere in a
+        # score, and never turns the score into an error the server would see.
+        self.validation = (
+            None
+            if validation is None
+            else CheckedExamples(
+                validation, self.dataset.placeholder, kind, self.dataset.num_outputs
+            )
+        )
 
     @property
     def num_examples(self) -> int:
@@ -410,14 +418,16 @@ def site_data_parts(
     partition: str = "iid",
     alpha: float = 0.0,
     seed: int = 0,
+    coins_key: bytes | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(training, held-out) parts of the site's data (``site_dataset``): the examples it holds
-    out to score models on (its ``validation-fraction``), by secret coins drawn afresh for
-    this run (seeded only by a simulated site's ``noise-seed``, for tests); none when 0."""
+    out to score models on (its ``validation-fraction``), by secret coins drawn once for this
+    run from ``coins_key`` (``new_coins_key``, kept by the site for the run; seeded only by a
+    simulated site's ``noise-seed``, for tests); none when 0."""
     data = site_dataset(task, site, num_sites, partition, alpha, seed)
     if not site.validation_fraction:
         return data, Subset(data, [])
-    return split_site_data(data, site.validation_fraction, site.policy.noise_seed)
+    return split_site_data(data, site.validation_fraction, site.policy.noise_seed, coins_key)
 
 
 def pooled_shares(

@@ -2,7 +2,7 @@
 validation data (``gep-fed tune --site-validation``).
 
 A site that agrees holds out a share of its examples, each by its own secret coin, drawn
-afresh for each run (independent of the data: a neighbouring data set differs in one example,
+once for each run (independent of the data: a neighbouring data set differs in one example,
 which lands in the training part or the held-out part, never both). After a trial, it counts, per
 class, its held-out examples and those the model predicts right, adds Gaussian noise of its
 own standard deviation to each count, and releases the counts. One example changes its
@@ -20,11 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from gep_fed.accounting.events import PrivacyEvent
 from gep_fed.data.metrics import predict
+from gep_fed.data.task import CheckedExamples
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.validation import ConfigError
 
@@ -32,29 +34,43 @@ SCORE_RELEASE = "site-score"  # the ledger's name for the release
 SENSITIVITY = math.sqrt(2.0)  # one example: its class's held-out count and right count
 
 
-def held_out_mask(n: int, fraction: float, seed: int | None = None) -> torch.Tensor:
-    """Which of ``n`` examples a site holds out: an independent coin of probability
-    ``fraction`` per example, from the OS's CSPRNG (``seed``: a generator seeded for tests,
-    never in a real run).
+def new_coins_key() -> bytes:
+    """A run's secret key for its held-out coins: 256 bits from the OS's CSPRNG."""
+    return os.urandom(32)
 
-    Secret and fresh: the guarantee couples a neighbouring data set's coins example by
-    example, which holds for coins no one can predict. Coins fixed by a known key would
-    follow the examples' positions, and one example inserted would move every later one
-    between the parts."""
+
+def held_out_mask(
+    n: int, fraction: float, seed: int | None = None, key: bytes | None = None
+) -> torch.Tensor:
+    """Which of ``n`` examples a site holds out: an independent coin of probability
+    ``fraction`` per example, from ChaCha20's keystream under ``key`` (``new_coins_key``:
+    the same key gives the same coins at every message of a run), from the OS's CSPRNG when
+    no key is given (``seed``: a generator seeded for tests, never in a real run).
+
+    Secret: the guarantee couples a neighbouring data set's coins example by example, which
+    holds for coins no one can predict. Coins fixed by a known key would follow the examples'
+    positions, and one example inserted would move every later one between the parts."""
     if not 0 < fraction < 1:
         raise ConfigError(f"validation fraction must be in (0, 1), got {fraction!r}")
     if seed is not None:
         return torch.rand(n, generator=torch.Generator().manual_seed(seed)) < fraction
-    words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    if key is None:
+        stream = os.urandom(8 * n)
+    else:
+        if len(key) != 32:
+            raise ValueError(f"a coins key is 32 bytes, got {len(key)}")
+        cipher = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None)
+        stream = cipher.encryptor().update(bytes(8 * n))
+    words = np.frombuffer(stream, dtype=np.uint64)
     threshold = np.uint64(int(fraction * 2**53) << 11)  # fraction to 53 bits, below 2**64
     return torch.from_numpy(words < threshold)
 
 
 def split_site_data(
-    dataset: Dataset, fraction: float, seed: int | None = None
+    dataset: Dataset, fraction: float, seed: int | None = None, key: bytes | None = None
 ) -> tuple[Subset, Subset]:
     """The site's (training, held-out) parts (``held_out_mask``), drawn once per run."""
-    mask = held_out_mask(len(dataset), fraction, seed)
+    mask = held_out_mask(len(dataset), fraction, seed, key)
     held = torch.nonzero(mask).flatten().tolist()
     kept = torch.nonzero(~mask).flatten().tolist()
     return Subset(dataset, kept), Subset(dataset, held)
@@ -69,16 +85,32 @@ def score_event(noise_std: float, party: str = "") -> PrivacyEvent:
     )
 
 
-def class_counts(model: nn.Module, data: Dataset, kind: str, classes: int) -> np.ndarray:
+class _CountedPairs(Dataset):
+    """Checked examples as ``(x, y)`` pairs for ``predict``: one that cannot be read or
+    checked gets target -1, which counts nowhere."""
+
+    def __init__(self, examples: CheckedExamples) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, valid = self.examples[i]
+        return x, y if valid else torch.full_like(y, -1)
+
+
+def class_counts(model: nn.Module, data: CheckedExamples, kind: str, classes: int) -> np.ndarray:
     """(2, classes): per class, the held-out examples and those ``model`` predicts right.
     ``classes`` is the task's (public: the model's outputs), never read from the data; an
-    example whose label is not one of them counts nowhere, as training drops it."""
+    example whose label is not one of them counts nowhere, as training drops it, and so does
+    one that cannot be read or checked: an error would tell the server it exists."""
     if kind not in ("multiclass", "binary"):
         raise ConfigError(f"a site's score counts classes: not for {kind!r} tasks")
     counts = np.zeros((2, classes))
     if len(data) == 0:
         return counts
-    logits, targets = predict(model, data)
+    logits, targets = predict(model, _CountedPairs(data))
     if logits.ndim == 1 or logits.shape[1] == 1:
         predicted = (logits.reshape(-1) > 0).long()
     else:

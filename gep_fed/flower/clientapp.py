@@ -54,6 +54,7 @@ from gep_fed.federation.secure_sum import (
     masked_vector,
 )
 from gep_fed.federation.site import Site, resolve_device, site_data_parts
+from gep_fed.federation.site_score import new_coins_key
 from gep_fed.federation.site_selection import trial_ledger
 from gep_fed.federation.tuning import run_settings
 from gep_fed.flower.secure_sum import (
@@ -80,6 +81,9 @@ DECLINED_KEY = "declined-through"
 SELECTION_KEY = "selection"
 # A distributed round's agreement key, from the advertise stage to the collect stage.
 AGREEMENT_KEY = "secure-sum-agreement"
+# The secret key of the run's held-out coins: every message of the run (a deployed site
+# serves each in a fresh process) holds out the same examples.
+COINS_KEY = "held-out-coins"
 UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
 
 
@@ -151,16 +155,17 @@ def _site(context: Context, served: Served) -> Site:
         else:
             run_directory = ""
         cfg = SiteConfig.from_node_config(context.node_config, simulation, run_directory)
+        coins = _coins_key(context)
         if simulated:
             check_site_count(cfg, fed)
             task, max_chunk = fed.make_task(), fed.max_chunk
             torch.manual_seed(fed.seed)  # the replica's initial weights are overwritten anyway
             data, held = site_data_parts(
-                task, cfg, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed
+                task, cfg, fed.num_sites, fed.partition, fed.dirichlet_alpha, fed.seed, coins
             )
         else:
             task, max_chunk = cfg.make_task(), cfg.max_chunk
-            data, held = site_data_parts(task, cfg)
+            data, held = site_data_parts(task, cfg, coins_key=coins)
         site = Site(
             cfg.site_id,
             task.build_model(),
@@ -180,6 +185,16 @@ def _site(context: Context, served: Served) -> Site:
     # served by several worker processes), and a stale copy must never overwrite it.
     site.ledger = _open_ledger(cfg)
     return site
+
+
+def _coins_key(context: Context) -> bytes:
+    """The run's held-out coins key, drawn on the node's first message of the run and kept
+    in its run state (which stays on the node)."""
+    held = context.state.config_records.get(COINS_KEY, {}).get(COINS_KEY)
+    if held is None:
+        held = new_coins_key()
+        context.state[COINS_KEY] = ConfigRecord({COINS_KEY: held})
+    return held
 
 
 def check_site_count(cfg: SiteConfig, fed: FederationConfig) -> None:
