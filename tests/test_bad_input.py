@@ -193,3 +193,30 @@ def test_a_simulation_whose_site_count_differs_from_num_sites_fails_naming_both(
         and "set num-sites=2" in r["cause"]
         for r in rows
     )
+
+
+def test_a_damaged_site_ledger_is_named_in_the_summary_and_report_which_still_stand(tmp_path):
+    """A simulated site's ledger damaged after a run (or between a run and its resume): the
+    summary and the report name it with its problem and keep every other line; the file is
+    left untouched."""
+    from dataclasses import replace
+
+    from gep_fed.federation.report import render_report, summary_lines
+    from gep_fed.flower.simulation import simulate
+
+    fed = FederationConfig(
+        num_public=100, num_basis=8, rounds=1, local_steps=1, sample_rate=1.0, num_sites=2,
+        noise_seed=3, run_dir=str(tmp_path), run_name="run",
+    )  # fmt: skip
+    result = simulate(replace(fed), False, engine="in-process")
+    damaged = tmp_path / "run" / "sites" / "site-0" / "ledger.json"
+    text = damaged.read_text()[:100]
+    damaged.write_text(text)
+    lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
+    (line,) = [x for x in lines if "site-0 (its own ledger)" in x]
+    assert "its ledger cannot be read" in line and "not valid JSON" in line
+    assert any("site-1 (its own ledger)  epsilon" in x for x in lines)
+    report = render_report(result.run_dir).read_text()
+    assert "site `site-0` (its own ledger): its ledger cannot be read" in report
+    assert "site `site-1` (its own ledger): epsilon" in report
+    assert damaged.read_text() == text

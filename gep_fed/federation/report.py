@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gep_fed.accounting.events import pld_text
-from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.federation.modes import mode_named
 from gep_fed.federation.rundir import (
     CONFIG,
@@ -195,12 +195,8 @@ def render_report(run_dir: str | Path) -> Path:
             f"{pld_text(ledger.epsilon('pld'))} at delta = {ledger.delta:g} over "
             f"{ledger.steps} accounted step(s)"
         )
-    for path in sorted((run.path / "sites").glob("*/ledger.json")):  # simulated sites
-        site = PrivacyLedger.load_keyed(path)
-        lines.append(
-            f"  - site `{path.parent.name}` (its own ledger): epsilon = "
-            f"{site.epsilon():.4f} over {site.steps} step(s)"
-        )
+    for name, spent in simulated_site_spending(run.path):
+        lines.append(f"  - site `{name}` (its own ledger): {spent}")
     if rows:
         last = rows[-1]
         lines.append(
@@ -318,18 +314,29 @@ def summary_lines(
                 f"{spent.epsilon():.3f} (RDP), {pld_text(spent.epsilon('pld'), 3)} {budget}",
             )
         )
-    for path in sorted((Path(run_dir) / "sites").glob("*/ledger.json")):  # simulated sites
-        site = PrivacyLedger.load_keyed(path)
-        table.append(
-            (
-                f"  {path.parent.name} (its own ledger)",
-                f"epsilon {site.epsilon():.3f} (RDP) over {site.steps} step(s)",
-            )
-        )
+    for name, spent in simulated_site_spending(Path(run_dir)):
+        table.append((f"  {name} (its own ledger)", spent))
     table.append(("wall time", f"{wall:.1f} s"))
     width = max(len(k) for k, _ in table)
     out += [f"  {key:<{width}}  {value}" for key, value in table]
     for site, site_rows in sorted(site_rounds.items()):
         if any(r["outcome"] != "accepted" for r in site_rows):
             out.append(f"  {site}: {site_line(site_rows)}")
+    return out
+
+
+def simulated_site_spending(run_dir: Path) -> list[tuple[str, str]]:
+    """(site, what its own ledger says it spent) for each simulated site of the run. A
+    ledger that cannot be read is named with its problem (and left untouched): the rest of
+    the report still stands."""
+    out = []
+    for path in sorted((run_dir / "sites").glob("*/ledger.json")):
+        try:
+            site = PrivacyLedger.load_keyed(path)
+        except LedgerError as err:
+            out.append((path.parent.name, f"its ledger cannot be read: {err}"))
+            continue
+        out.append(
+            (path.parent.name, f"epsilon {site.epsilon():.4f} (RDP) over {site.steps} step(s)")
+        )
     return out
