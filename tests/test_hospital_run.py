@@ -230,3 +230,29 @@ def test_a_cli_error_is_one_line_from_the_installed_command(tmp_path):
     done = gep_fed("simulate", "--task", "folder_task:BatchNormDigits", "--run-dir", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "batchnorm_to_groupnorm" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_other_sites_or_data_is_refused_and_its_record_kept(tmp_path):
+    """A renamed site would train on under a fresh ledger, though its data had spent
+    budget; another folder would train on other data; either would overwrite the record of
+    which data trained the earlier rounds."""
+    from gep_fed.validation import ConfigError
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=1, mode="client")
+    simulate(fed, progress=False, site_data=folders, engine="in-process")
+    record = (tmp_path / "runs" / "r" / "sites.json").read_text()
+    other = write_site_folders(tmp_path / "other", {"hospital-b": 40})
+    changes = [
+        {"hospital-a": folders["hospital-a"], "renamed": folders["hospital-b"]},
+        {**folders, "hospital-b": other["hospital-b"]},
+    ]
+    for site_data in changes:
+        with pytest.raises(ConfigError, match=r"was trained on the sites' own data \(hospital-a="):
+            simulate(fed, progress=False, site_data=site_data, engine="in-process")
+    with pytest.raises(ConfigError, match="IID shares of the task's pooled data: resume it"):
+        simulate(fed, progress=False, engine="in-process")
+    assert (tmp_path / "runs" / "r" / "sites.json").read_text() == record
+    relative = {n: os.path.relpath(p) for n, p in folders.items()}
+    simulate(fed, progress=False, site_data=relative, engine="in-process")  # the same data

@@ -35,7 +35,9 @@ from gep_fed.flower.interrupt import (
 )
 from gep_fed.flower.simulation import (
     SimulationResult,
+    check_same_sites,
     checked_simulation,
+    formed_sites,
     launch,
     quiet_flower,
     simulated_site_settings,
@@ -202,6 +204,7 @@ def simulate_search(
         new_model = spec.fed.model not in models
         models.add(spec.fed.model)
         fed = checked_simulation(spec.fed, engine, site_data, drop_bad_examples, new_model)
+        check_same_sites(fed, formed_sites(fed, site_data))
         fed.resolve()  # the privacy contract, sigma calibrated: an unreachable one stops here
         checked.append(replace(spec, fed=fed))
     num_sites = {spec.fed.num_sites for spec in checked}
@@ -226,8 +229,7 @@ def simulate_search(
     for spec in checked:
         run = RunDirectory(spec.fed.run_directory(""))
         if run.path.is_dir():
-            formed = {"site-data": dict(site_data)} if site_data else {"shares": spec.fed.partition}
-            run.write_json(SITES, formed)
+            run.write_json(SITES, formed_sites(spec.fed, site_data))
     if "error" in outcome:
         raise outcome["error"]
     if "interrupted" in outcome:

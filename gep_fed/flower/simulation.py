@@ -201,6 +201,43 @@ def site_data_from_pairs(pairs: list[str] | None) -> dict[str, str] | None:
     return out
 
 
+def formed_sites(fed: FederationConfig, site_data: Mapping[str, str] | None) -> dict:
+    """How a simulation's sites got their data, as its run directory records it
+    (``sites.json``): each site's own data by its absolute path, or shares of the task's
+    pooled data."""
+    if site_data:
+        return {"site-data": {name: str(Path(p).resolve()) for name, p in site_data.items()}}
+    return {"shares": fed.partition}
+
+
+def check_same_sites(fed: FederationConfig, formed: dict) -> None:
+    """A resumed run keeps the sites and data it was trained on: other sites' data would
+    train on under ledgers started afresh (a renamed site's), and the record of which data
+    trained the earlier rounds would be overwritten. Raises ``ConfigError`` naming both."""
+    run = RunDirectory(fed.run_directory(""))
+    if not run.file(SITES).exists():
+        return
+    before = run.read_json(SITES)
+    if "site-data" in before:  # runs recorded before paths were made absolute
+        before = {"site-data": {n: str(Path(p).resolve()) for n, p in before["site-data"].items()}}
+    if before != formed:
+        raise ConfigError(
+            f"{run.path} was trained on {_described(before)}, and this run gives "
+            f"{_described(formed)}: resume it with the same sites and data, or start a new "
+            "run (another --run-name)"
+        )
+
+
+def _described(formed: dict) -> str:
+    if "site-data" in formed:
+        pairs = ", ".join(f"{n}={p}" for n, p in formed["site-data"].items())
+        return f"the sites' own data ({pairs})"
+    shares = {"iid": "IID", "dirichlet": "Dirichlet"}.get(
+        formed.get("shares"), formed.get("shares")
+    )
+    return f"{shares} shares of the task's pooled data"
+
+
 def checked_simulation(
     fed: FederationConfig,
     engine: str,
@@ -315,6 +352,8 @@ def simulate(
         stamp = time.strftime("%Y%m%d-%H%M%S")
         fed = replace(fed, run_name=f"{stamp}-{fed.mode}-{fed.mechanism}")
         resume += f" with --run-name {fed.run_name}"
+    formed = formed_sites(fed, site_data)
+    check_same_sites(fed, formed)
     fed.resolve()  # the privacy contract, sigma calibrated: an unreachable budget stops here
     done: dict = {}
     began = time.perf_counter()
@@ -340,7 +379,6 @@ def simulate(
         launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
     run = RunDirectory(fed.run_directory(""))
     if run.path.is_dir():
-        formed = {"site-data": dict(site_data)} if site_data else {"shares": fed.partition}
         run.write_json(SITES, formed)
     outcome = done.get("outcome")
     if outcome is None:
