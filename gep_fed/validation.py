@@ -77,6 +77,9 @@ MOMENTUM = Range(0, 1, high_open=True)
 # 0: off; the weight of the running average at each step (close to 1: a longer memory)
 MODEL_AVERAGE_DECAY = Range(0, 1, high_open=True)
 DELTA = Range(0, 0.1, low_open=True)
+# A target epsilon: beyond 1,000 no guarantee is left to state, and calibrating to one takes
+# minutes, then more memory than a machine has (the PLD's support grows as sigma shrinks).
+TARGET_EPSILON = Range(0, 1000, low_open=True)
 LEARNING_RATE = POSITIVE
 # 0: no augmentation; K: each example's gradient is the mean over K augmented copies
 AUGMENTATION_COPIES = Range(0, 64, integer=True)

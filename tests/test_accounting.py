@@ -79,6 +79,7 @@ def test_impossible_target_is_an_error_not_a_silent_cap():
     "kwargs, field",
     [
         ({"target_epsilon": -1}, "target_epsilon"),
+        ({"target_epsilon": 1e9}, r"target_epsilon must be a finite number in \(0, 1000\]"),
         ({"delta": 1.5}, "delta"),
         ({"mechanism": "x"}, "mechanism"),
     ],

@@ -195,28 +195,48 @@ def test_a_simulation_whose_site_count_differs_from_num_sites_fails_naming_both(
     )
 
 
-def test_a_damaged_site_ledger_is_named_in_the_summary_and_report_which_still_stand(tmp_path):
-    """A simulated site's ledger damaged after a run (or between a run and its resume): the
-    summary and the report name it with its problem and keep every other line; the file is
-    left untouched."""
-    from dataclasses import replace
-
-    from gep_fed.federation.report import render_report, summary_lines
+@pytest.fixture(scope="module")
+def noiseless_run(tmp_path_factory):
+    """One round of two simulated sites at noise multiplier 0 (no privacy), in process."""
     from gep_fed.flower.simulation import simulate
 
     fed = FederationConfig(
         num_public=100, num_basis=8, rounds=1, local_steps=1, sample_rate=1.0, num_sites=2,
-        noise_seed=3, run_dir=str(tmp_path), run_name="run",
+        noise_seed=3, noise_multiplier=0.0, run_dir=str(tmp_path_factory.mktemp("runs")),
+        run_name="run",
     )  # fmt: skip
-    result = simulate(replace(fed), False, engine="in-process")
-    damaged = tmp_path / "run" / "sites" / "site-0" / "ledger.json"
+    return fed, simulate(fed, False, engine="in-process")
+
+
+def test_a_run_without_noise_says_it_has_no_privacy_in_its_summary_and_report(noiseless_run):
+    from gep_fed.federation.report import render_report, summary_lines
+
+    fed, result = noiseless_run
+    lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
+    assert lines[0].startswith("NO PRIVACY: the noise multiplier is 0")
+    assert "**NO PRIVACY: the noise multiplier is 0" in render_report(result.run_dir).read_text()
+
+
+def test_a_damaged_site_ledger_is_named_in_the_summary_and_report_which_still_stand(
+    noiseless_run, tmp_path
+):
+    """A simulated site's ledger damaged after a run (or between a run and its resume): the
+    summary and the report name it with its problem and keep every other line; the file is
+    left untouched."""
+    import shutil
+
+    from gep_fed.federation.report import render_report, summary_lines
+
+    fed, result = noiseless_run
+    run_dir = shutil.copytree(result.run_dir, tmp_path / "run")
+    damaged = run_dir / "sites" / "site-0" / "ledger.json"
     text = damaged.read_text()[:100]
     damaged.write_text(text)
-    lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
+    lines = summary_lines(fed, result.metrics, None, result.site_rounds, run_dir, 1.0)
     (line,) = [x for x in lines if "site-0 (its own ledger)" in x]
     assert "its ledger cannot be read" in line and "not valid JSON" in line
     assert any("site-1 (its own ledger)  epsilon" in x for x in lines)
-    report = render_report(result.run_dir).read_text()
+    report = render_report(run_dir).read_text()
     assert "site `site-0` (its own ledger): its ledger cannot be read" in report
     assert "site `site-1` (its own ledger): epsilon" in report
     assert damaged.read_text() == text

@@ -58,6 +58,10 @@ def test_cli_flwr_run_and_library_resolve_the_same_settings_for_every_built_in_t
         ({"mode": "trusted"}, "mode"),
         ({"sample_rate": 1.5}, "sample_rate"),
         ({"target_epsilon": -1.0}, "target_epsilon"),
+        # beyond it no guarantee is left, and calibrating took minutes, then all memory
+        ({"target_epsilon": 1001.0}, r"target_epsilon must be a finite number in \(0, 1000\]"),
+        ({"run_name": "../../elsewhere"}, "run_name must be a folder name inside run_dir"),
+        ({"run_name": ".."}, "run_name"),
         ({"rounds": 0}, "rounds"),
         ({"rounds": 100_001}, "rounds"),  # a site plans its budget over every round
         ({"min_sites": 5, "num_sites": 3}, "min_sites"),

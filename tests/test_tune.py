@@ -105,6 +105,21 @@ def test_a_task_without_validation_data_is_refused(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+def test_a_folder_holding_another_run_is_refused_as_a_tunings_out_and_left_as_it_was(tmp_path):
+    """A simulation's run directory as --out: its site ledgers would have counted as the
+    tuning's spending, and the tuning's files would have mixed with the run's."""
+    out = tmp_path / "run"
+    (out / "sites").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("{}\n")
+    config = TuneConfig(base(), [{}, {"server-lr": 2.0}], out_dir=str(out))
+    with pytest.raises(ConfigError, match=r"run is not empty \(metrics.jsonl\) and holds no"):
+        tune(config)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "sites"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        tune(replace(config, out_dir=str(tmp_path / "file")))
+
+
 # Digits has no validation split at the server: the sites score on examples they hold out.
 NO_VALIDATION = dict(BASE, task="digits", num_sites=2, rounds=1, noise_seed=3)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gep_fed.validation import DELTA, NOISE_MULTIPLIER, PROBABILITY
+from gep_fed.validation import DELTA, NOISE_MULTIPLIER, PROBABILITY, TARGET_EPSILON
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -576,8 +576,7 @@ def calibrate(
     sigma = 1e4 does not reach the target (RDP conversion has a floor that grows with steps),
     instead of silently capping.
     """
-    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}")
+    TARGET_EPSILON.check("target_epsilon", target_epsilon)
     _check_delta(delta)
 
     def eps(sigma: float) -> float:

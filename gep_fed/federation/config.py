@@ -35,6 +35,7 @@ from gep_fed.validation import (
     POSITIVE,
     PROBABILITY,
     ROUNDS,
+    TARGET_EPSILON,
     ConfigError,
     Range,
     check_choice,
@@ -342,11 +343,16 @@ class FederationConfig:
                 AT_LEAST_ONE.check(name, getattr(self, name))
         if self.noise_seed is not None:
             Range(0, integer=True).check("noise_seed", self.noise_seed)
-        POSITIVE.check("target_epsilon", self.target_epsilon)
+        TARGET_EPSILON.check("target_epsilon", self.target_epsilon)
         DELTA.check("delta", self.delta)
         PROBABILITY.check("sample_rate", self.sample_rate)
         if self.noise_multiplier is not None:  # 0 switches the noise off (no privacy)
             NOISE_MULTIPLIER.check("noise_multiplier", self.noise_multiplier)
+        if self.run_name in (".", "..") or Path(self.run_name).name != self.run_name:
+            raise ConfigError(
+                f"run_name must be a folder name inside run_dir (no / and not . or ..), got "
+                f"{self.run_name!r}"
+            )
         for name in ("dirichlet_alpha", "round_timeout"):
             POSITIVE.check(name, getattr(self, name))
         for name in ("local_lr", "server_lr"):

@@ -58,6 +58,12 @@ LABELS = {
 }
 
 
+NO_PRIVACY = (
+    "NO PRIVACY: the noise multiplier is 0 (the noise switched off), so this run has no "
+    "guarantee and its epsilon is infinite"
+)
+
+
 def _plot(
     rows: list[dict], keys: tuple[str, ...], label: str, path: Path, budget: float | None = None
 ) -> bool:
@@ -173,6 +179,8 @@ def render_report(run_dir: str | Path) -> Path:
     refused = refusal_before_round_1(outcome.get("stop_reason"), rows)
     if refused:
         lines += [f"**{refused}**", ""]
+    if config.get("resolved-noise-multiplier") == 0:
+        lines += [f"**{NO_PRIVACY}**", ""]
     lines += [
         f"- task **{config.get('task')}**, {sites_formed(run, config)}, mode **{mode}**, "
         f"mechanism **{mech}**",
@@ -285,6 +293,8 @@ def summary_lines(
     if refused:
         return [refused]
     out = [f"stopped early: {stop_reason}"] if stop_reason else []
+    if fed.noise_multiplier == 0:
+        out.append(NO_PRIVACY)
     last = rows[-1] if rows else {}
     nan = float("nan")
     table = [

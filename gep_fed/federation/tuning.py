@@ -49,7 +49,7 @@ from gep_fed.accounting.selection import (
 )
 from gep_fed.federation.config import RUN_CONFIG_DEFAULT, FederationConfig
 from gep_fed.federation.site_score import SiteScore
-from gep_fed.validation import DELTA, POSITIVE, ConfigError
+from gep_fed.validation import DELTA, TARGET_EPSILON, ConfigError
 
 # The composition of the planned trials lands this far below the total, at most.
 CALIBRATION_TOLERANCE = 1e-3
@@ -151,9 +151,7 @@ class TuneConfig:
             self._check_random_trials()
         if self.site_score is not None and not isinstance(self.site_score, SiteScore):
             raise ConfigError(f"site_score must be a SiteScore, got {self.site_score!r}")
-        POSITIVE.check("target_epsilon", self.total_epsilon)
-        if not math.isfinite(self.total_epsilon):
-            raise ConfigError(f"target_epsilon must be finite, got {self.total_epsilon}")
+        TARGET_EPSILON.check("target_epsilon", self.total_epsilon)
         DELTA.check("delta", self.total_delta)
         if self.base.noise_multiplier is not None:
             raise ConfigError(

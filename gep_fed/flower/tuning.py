@@ -523,6 +523,16 @@ def _resumable(out: Path, config: TuneConfig) -> dict | None:
     """The unfinished tuning of these same settings that ``out`` holds (None: none there)."""
     path = out / TUNE_JSON
     if not path.exists():
+        # its own search id and its simulated sites' ledgers may precede its record
+        own = {SEARCH_ID, "sites"}
+        others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
+        if others:  # another run's folder: its ledgers would count as this tuning's spending
+            raise ConfigError(
+                f"{out} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+                f" and holds no tuning ({TUNE_JSON}): choose another folder"
+            )
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{out} is a file, not a folder: choose another --out")
         return None
     try:
         saved = json.loads(path.read_text())
