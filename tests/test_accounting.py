@@ -350,6 +350,17 @@ def test_the_ledger_cli_marks_a_ledger_made_before_marks_once(tmp_path, capsys):
     assert main(["ledger", "mark", str(ledger.path)]) == 2  # a mark is never re-made
 
 
+@pytest.mark.parametrize("delta", ["1", "-1", "nan"])
+def test_a_refused_ledger_init_leaves_no_key_so_the_corrected_one_succeeds(tmp_path, capsys, delta):
+    from gep_fed.cli.main import main
+
+    path = tmp_path / "b.json"
+    assert main(["ledger", "init", str(path), "--owner", "h1", "--delta", delta]) == 2
+    assert "delta must be a finite number in (0, 0.1]" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == []
+    assert main(["ledger", "init", str(path), "--owner", "h1", "--delta", "1e-5"]) == 0
+
+
 def test_a_ledger_save_fsyncs_its_directory_after_the_rename(tmp_path, monkeypatch):
     """Point 7: the rename lives in the directory; without fsyncing it, a power loss after
     the release can bring back the old file, and the ledger under-counts."""

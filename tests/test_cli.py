@@ -40,6 +40,8 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
         (["simulate", "--sample-rate", "2"], "sample_rate must be a finite number in (0, 1]"),
         (["simulate", "--noise-multiplier", "lots"], "--noise-multiplier must be a number"),
         (["report", "/nonexistent/run"], "not a gep-fed run directory"),
+        (["simulate", "--run-dir", __file__, "--engine", "in-process"], "Not a directory"),
+        (["site", "check", "--node-config", "site-id=h1 delta="], "--node-config 'site-id=h1"),
     ],
 )
 def test_bad_values_get_an_error_that_names_them(capsys, args, message):

@@ -56,6 +56,22 @@ def test_a_task_file_path_resolves_from_any_folder_and_a_missing_one_is_named(
         FederationConfig(task="task.py:Task")
 
 
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ("import torch\ndef broken(:\n", r": SyntaxError: invalid syntax \(task.py, line 2\)"),
+        ("import torch\nimport not_a_module_anywhere\n", " at line 2: ModuleNotFoundError"),
+        ("x = 1\nraise RuntimeError('no data path set')\n", " at line 2: RuntimeError: no data"),
+    ],
+    ids=["syntax", "import", "raises"],
+)
+def test_a_task_file_that_fails_to_import_is_named_with_its_line_and_error(tmp_path, source, error):
+    path = tmp_path / "task.py"
+    path.write_text(source)
+    with pytest.raises(ConfigError, match=f"task '{path}:Task': importing {path} failed{error}"):
+        FederationConfig(task=f"{path}:Task")
+
+
 def test_scatter_dataset_takes_an_array_of_images_or_a_function_returning_one():
     from gep_fed.data.builtin_tasks import scatter_dataset
 

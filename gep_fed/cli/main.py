@@ -218,7 +218,10 @@ def _site_check(args: argparse.Namespace) -> int:
 
     # A task named by import path lives in the app the site reviewed, as the ClientApp sees it.
     sys.path.insert(0, str(Path(args.app_dir).resolve()))
-    node_config = parse_config_args([args.node_config])
+    try:
+        node_config = parse_config_args([args.node_config])
+    except Exception as err:  # Flower's parser raises click's exception, whose text says why
+        raise ConfigError(f"--node-config {args.node_config!r}: {err}") from None
     bar = None
 
     def progress(done: int, total: int) -> None:
@@ -532,9 +535,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # while the command was still being read
+        print("\ngep-fed: interrupted before it began", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
     from gep_fed.flower.interrupt import RunInterrupted
 
-    argv = sys.argv[1:] if argv is None else list(argv)
     parser = site_tools.build_parser() if site_tools.handles(argv) else build_parser()
     args = parser.parse_args(argv)
     try:
@@ -545,8 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the run's first round began
         print(f"\ngep-fed {args.command}: interrupted before round 1", file=sys.stderr)
         return 130
-    except (ConfigError, ImpossibleTargetError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ImpossibleTargetError, ValueError, OSError) as err:
         # LedgerError is a ValueError: a damaged or missing ledger is named, never replaced.
+        # OSError: a path that is a file where a folder is needed, a folder not writable.
         print(f"gep-fed {args.command}: error: {err}", file=sys.stderr)
         return 2
 

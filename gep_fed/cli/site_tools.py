@@ -18,7 +18,7 @@ from gep_fed.accounting.ledger import (
     read_ledger_key,
     selections_folder,
 )
-from gep_fed.validation import ConfigError
+from gep_fed.validation import DELTA, ConfigError
 
 
 def handles(argv: list[str]) -> bool:
@@ -58,8 +58,15 @@ def _ledger_init(args: argparse.Namespace) -> int:
             f"{mark} exists: this site already has a ledger history; restore the newest copy "
             f"of its ledger instead of creating {path}"
         )
+    DELTA.check("delta", args.delta)  # before the key: a refused init leaves nothing behind
     key = create_ledger_key(key_path)
-    PrivacyLedger.open(path, args.delta, None, args.owner, key=key, mark_path=mark, create=True)
+    try:
+        PrivacyLedger.open(path, args.delta, None, args.owner, key=key, mark_path=mark, create=True)
+    except BaseException:
+        if not path.exists():  # no ledger was written: the new key protects nothing
+            key_path.unlink(missing_ok=True)
+            mark.unlink(missing_ok=True)
+        raise
     print(f"created ledger {path} (owner {args.owner!r}, delta {args.delta:g})")
     print(f"created its key {key_path} (mode 600): back it up with the ledger; without it the")
     print("ledger cannot be verified, and whoever holds it can rewrite the ledger")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 
 from gep_fed.data.builtin_tasks import (
@@ -85,6 +86,15 @@ def _module_from_file(name: str, path: Path):
     sys.modules[key] = module
     try:
         spec.loader.exec_module(module)
+    except Exception as err:  # the user's file: its own error, where it happened
+        del sys.modules[key]
+        lines = [
+            f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)
+        ]
+        where = f" at line {lines[-1]}" if lines else ""
+        raise ValueError(
+            f"task {name!r}: importing {path} failed{where}: {type(err).__name__}: {err}"
+        ) from err
     except BaseException:
         del sys.modules[key]
         raise
