@@ -42,6 +42,11 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
         (["report", "/nonexistent/run"], "not a gep-fed run directory"),
         (["simulate", "--run-dir", __file__, "--engine", "in-process"], "Not a directory"),
         (["site", "check", "--node-config", "site-id=h1 delta="], "--node-config 'site-id=h1"),
+        (
+            ["simulate", "--site-data", "a=x", "--site-data", "b=y", "--num-sites", "5"],
+            "--num-sites 5 with 2 --site-data sites",
+        ),
+        (["simulate", "--site-data", "a=x", "--min-sites", "2"], "--min-sites 2 with 1"),
     ],
 )
 def test_bad_values_get_an_error_that_names_them(capsys, args, message):

@@ -215,6 +215,18 @@ def test_a_folder_matching_no_declared_class_is_reported_with_its_image_count(tm
     assert ds.targets().tolist() == [0, 1, 1, 3, 3, 3] and ds.missing_classes == ["class2"]
 
 
+def test_image_files_of_a_format_the_task_does_not_read_are_named_not_left_out(tmp_path):
+    """A .tif among PNGs was skipped without a word, and the site check said ready."""
+    image = np.zeros((2, 2), np.uint8)
+    write_pngs(tmp_path, {"a": [image], "b": [image]})
+    (tmp_path / "b" / "scan.tif").write_bytes(b"II*\x00")
+    (tmp_path / "b" / "notes.txt").write_text("not an image: ignored")
+    with pytest.raises(DataError, match=r"does not read \(\.png/\.jpg/\.jpeg only\): folder 'b' "):
+        ImageFolderDataset(tmp_path)
+    (tmp_path / "b" / "scan.tif").unlink()
+    assert len(ImageFolderDataset(tmp_path)) == 2
+
+
 def test_image_folder_corrupt_images_are_named_on_read_and_by_check(tmp_path):
     rng = np.random.default_rng(1)
     write_pngs(tmp_path, {"a": [rng.integers(0, 256, (16, 16), dtype=np.uint8) for _ in range(3)]})

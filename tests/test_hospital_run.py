@@ -109,6 +109,21 @@ def test_a_misspelt_class_folder_stops_a_simulation_before_round_1_naming_the_si
     assert not (tmp_path / "runs" / "r").exists()
 
 
+def test_examples_dropped_as_asked_are_each_named_before_round_1(tmp_path, caplog):
+    from gep_fed.flower.simulation import checked_simulation
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    victim = sorted(Path(folders["hospital-b"]).rglob("*.png"))[3]
+    victim.write_bytes(victim.read_bytes()[:30])
+    with caplog.at_level("WARNING", logger="gep_fed.simulation"):
+        checked_simulation(tiny(tmp_path), "in-process", folders, drop_bad_examples=True)
+    (record,) = caplog.records
+    assert "loses these examples (--drop-bad-examples)" in record.message
+    assert "hospital-b: 1 example(s): example 3: cannot" in record.message
+    assert str(victim) in record.message
+    assert "hospital-a" not in record.message
+
+
 def test_batchnorm_in_a_users_model_is_refused_by_name_on_the_server(tmp_path):
     fed = FederationConfig(task="folder_task:BatchNormDigits", num_public=50)
     run = RunDirectory(tmp_path / "r")

@@ -158,13 +158,26 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.show_settings:
         print("\n".join(settings_lines(args)))
         return 0
+    site_data = site_data_from_pairs(args.site_data)
+    if site_data:  # the sites given their own data are the federation
+        n = len(site_data)
+        if args.num_sites not in (None, n) or (args.min_sites or 0) > n:
+            flag, given = (
+                ("--num-sites", args.num_sites)
+                if args.num_sites not in (None, n)
+                else ("--min-sites", args.min_sites)
+            )
+            raise ConfigError(
+                f"{flag} {given} with {n} --site-data sites: the sites given their own data "
+                f"are the federation; leave out {flag}, or give at most that many sites"
+            )
     fed = federation_config(args)
     _quiet_logs()
     began = time.perf_counter()
     result = simulate(
         fed,
         progress=True,
-        site_data=site_data_from_pairs(args.site_data),
+        site_data=site_data,
         drop_bad_examples=args.drop_bad_examples,
         engine=args.engine,
     )

@@ -132,6 +132,12 @@ def add_tune_parser(sub) -> None:
         "trial; repeat it for each site. Default: shares of the task's pooled data",
     )
     p.add_argument(
+        "--drop-bad-examples",
+        action="store_true",
+        help="run even when a site's data has examples that cannot be read or do not suit "
+        "the task (as gep-fed simulate's): they are dropped from every sample, each named",
+    )
+    p.add_argument(
         "--engine",
         choices=("ray", "in-process"),
         default="ray",
@@ -188,7 +194,11 @@ def run_tune(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     from gep_fed.flower.simulation import site_data_from_pairs
 
-    options = {"progress": sys.stderr.isatty(), "engine": args.engine}
+    options = {
+        "progress": sys.stderr.isatty(),
+        "engine": args.engine,
+        "drop_bad_examples": args.drop_bad_examples,
+    }
     site_data = site_data_from_pairs(args.site_data)
     if site_data:
         options["site_data"] = site_data

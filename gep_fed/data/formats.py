@@ -509,6 +509,16 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file())
 
 
+# Image files a class folder may hold that a folder task of other formats would not read.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".gif", ".webp", ".dcm")
+
+
+def _unread_images(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
+    """The image files under ``folder`` that ``extensions`` leave out."""
+    other = tuple(e for e in IMAGE_SUFFIXES if e not in extensions)
+    return _files(folder, other)
+
+
 class _FolderDataset(ImageDataset):
     """One sub-folder of ``root`` per class (searched recursively), labels from folder names.
 
@@ -559,6 +569,21 @@ class _FolderDataset(ImageDataset):
         # A site may lack a class (no cases of a rare one): its folder may be missing or
         # empty. The labels keep the declared numbering, so the site agrees with its peers.
         self.missing_classes: list[str] = []
+        unread = {
+            name: _unread_images(self.root / name, extensions)
+            for name in self.classes
+            if (self.root / name).is_dir()
+        }
+        unread = {name: files for name, files in unread.items() if files}
+        if unread:  # left out, they would shrink a class unseen
+            found = "; ".join(
+                f"folder {n!r} holds {len(f)} ({', '.join(sorted({p.suffix for p in f}))})"
+                for n, f in unread.items()
+            )
+            raise DataError(
+                f"{self.root}: image files this task does not read ({'/'.join(extensions)} "
+                f"only): {found}: convert them, or move them out of the data folder"
+            )
         for label, name in enumerate(self.classes):
             folder = self.root / name
             found = _files(folder, extensions) if folder.is_dir() else []

@@ -67,14 +67,20 @@ class SimulationResult:
         return lines
 
 
-def _site_check_text(bad: Mapping[str, list[str]], shown: int = 10) -> str:
-    lines = ["the simulated sites' data would lose examples (--drop-bad-examples runs anyway):"]
+def _site_check_text(bad: Mapping[str, list[str]], dropped: bool = False, shown: int = 10) -> str:
+    lines = [
+        "the simulated sites' data loses these examples (--drop-bad-examples):"
+        if dropped
+        else "the simulated sites' data would lose examples (--drop-bad-examples runs anyway):"
+    ]
     for site, found in sorted(bad.items()):
         lines.append(f"  {site}: {len(found)} example(s): " + "; ".join(found[:shown]))
         if len(found) > shown:
             lines[-1] += f"; ... {len(found) - shown} more"
     return "\n".join(lines)
 
+
+log = logging.getLogger("gep_fed.simulation")
 
 # Where the simulated sites run: Flower's Simulation Engine, or this process (in_process).
 ENGINES = ("ray", "in-process")
@@ -257,6 +263,8 @@ def checked_simulation(
     bad = {site: found for site, found in problems.items() if found}
     if bad and not drop_bad_examples:
         raise SiteCheckFailed(_site_check_text(bad))
+    if bad:  # dropped as asked, never silently
+        log.warning("%s", _site_check_text(bad, dropped=True))
     if site_data and fed.noise_mode.server_steps and fed.total_examples is None:
         task = fed.make_task()
         total = sum(len(task.site_dataset(path)) for path in site_data.values())
