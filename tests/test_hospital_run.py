@@ -161,6 +161,8 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed
     assert code == 2  # refused before round 1: every example unreadable
     lines = [x for x in err.splitlines() if x.strip().startswith("hospital-")]
     assert len(lines) == 2 and all("no usable example" in x for x in lines)
+    assert not any("1 example(s)" in x for x in lines)  # not one example: none usable
+    assert all("(the first: example 0: DataError: " in x and ".png" in x for x in lines)
     code, out, err = gep_fed_in_process(capsys, *args, "--drop-bad-examples")
     assert code == 1
     failed = [x for x in err.splitlines() if x.startswith("FAILED:")]

@@ -292,21 +292,24 @@ class CheckedExamples(Dataset):
     def of(cls, dataset: Dataset, kind: str, model: nn.Module) -> CheckedExamples:
         """Wrap ``dataset``; its first readable example with a valid target (for ``model``'s
         output size) fixes the input shape and the target type."""
+        first = None  # what was wrong with the first example, for the error
         for i in range(min(len(dataset), cls.REFERENCE_SEARCH)):
             try:
                 x, y = dataset[i]
                 x, y = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
                 with torch.no_grad():
                     outputs = model(x.unsqueeze(0).to(next(model.parameters()).device))
-            except Exception:  # an unreadable example: try the next
+            except Exception as err:  # an unreadable example: try the next
+                first = first or f"example {i}: {type(err).__name__}: {err}"
                 continue
             num_outputs = int(outputs.shape[-1]) if outputs.ndim > 1 else 1
             if target_is_valid(kind, num_outputs, y):
                 placeholder = (torch.zeros_like(x), torch.zeros_like(y))
                 return cls(dataset, placeholder, kind, num_outputs)
+            first = first or f"example {i}: target {y.tolist()} for {num_outputs} output(s)"
         raise DataError(
             f"none of the first {min(len(dataset), cls.REFERENCE_SEARCH)} examples can be read "
-            "with a target the task's model accepts"
+            f"with a target the task's model accepts (the first: {first})"
         )
 
     def __len__(self) -> int:

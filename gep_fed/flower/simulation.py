@@ -74,13 +74,15 @@ def _site_check_text(bad: Mapping[str, list[str]], dropped: bool = False, shown:
         else "the simulated sites' data would lose examples (--drop-bad-examples runs anyway):"
     ]
     for site, found in sorted(bad.items()):
-        lines.append(f"  {site}: {len(found)} example(s): " + "; ".join(found[:shown]))
+        count = "" if found[0].startswith(NO_USABLE) else f"{len(found)} example(s): "
+        lines.append(f"  {site}: {count}" + "; ".join(found[:shown]))
         if len(found) > shown:
             lines[-1] += f"; ... {len(found) - shown} more"
     return "\n".join(lines)
 
 
 log = logging.getLogger("gep_fed.simulation")
+NO_USABLE = "no usable example"  # a site none of whose first examples can be read
 
 # Where the simulated sites run: Flower's Simulation Engine, or this process (in_process).
 ENGINES = ("ray", "in-process")
@@ -135,7 +137,7 @@ def check_simulated_sites(
         try:
             checked = CheckedExamples.of(data, task.kind, model)
         except DataError as err:
-            problems[name] = [f"no usable example: {err}"]
+            problems[name] = [f"{NO_USABLE}: {err}"]
             continue
         found = ((i, checked.problem(i)) for i in range(len(checked)))
         problems[name] = [f"example {i}: {p}" for i, p in found if p is not None]
