@@ -127,6 +127,10 @@ def test_a_truncated_ledger_is_refused_and_left_untouched(tmp_path):
     with pytest.raises(LedgerError):
         PrivacyLedger.open(path, 1e-5)
     assert path.read_text() == text[: len(text) // 2]
+    path.write_bytes(b"\xff\xfe binary")
+    with pytest.raises(LedgerError, match=f"ledger {path} is not text .* left untouched"):
+        PrivacyLedger.load(path)
+    assert path.read_bytes() == b"\xff\xfe binary"
 
 
 def test_an_edited_ledger_fails_its_checksum(tmp_path):

@@ -198,6 +198,9 @@ def test_a_site_may_lack_a_declared_class_but_not_every_image(tmp_path):
         ImageFolderDataset(tmp_path / "b", classes=["b", "d"])
     with pytest.raises(DataError, match="does not exist"):
         ImageFolderDataset(tmp_path / "nowhere")
+    (tmp_path / "file.png").write_bytes(b"")
+    with pytest.raises(DataError, match=r"file\.png is a file, not a folder of class folders"):
+        ImageFolderDataset(tmp_path / "file.png")
 
 
 def test_a_folder_matching_no_declared_class_is_reported_with_its_image_count(tmp_path):

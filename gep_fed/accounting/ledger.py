@@ -305,6 +305,11 @@ class PrivacyLedger:
             text = path.read_text(encoding="utf-8")
         except OSError as err:
             raise LedgerError(f"cannot read ledger {path}: {err}") from err
+        except UnicodeDecodeError as err:
+            raise LedgerError(
+                f"ledger {path} is not text ({err.reason} at byte {err.start}): it is damaged "
+                "or another file. It is left untouched: restore it from a backup"
+            ) from err
         ledger = cls.from_json(text, source=f"ledger {path}", key=key)
         ledger.path = path
         if key is not None:

@@ -536,7 +536,12 @@ class _FolderDataset(ImageDataset):
     def __init__(self, root, transform, classes, extensions) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            raise DataError(f"data folder {self.root} does not exist")
+            what = (
+                "is a file, not a folder of class folders"
+                if self.root.exists()
+                else "does not exist"
+            )
+            raise DataError(f"data folder {self.root} {what}")
         extensions = tuple(e.lower() for e in extensions)
         folders = sorted(
             p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
