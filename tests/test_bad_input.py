@@ -240,3 +240,18 @@ def test_a_damaged_site_ledger_is_named_in_the_summary_and_report_which_still_st
     assert "site `site-0` (its own ledger): its ledger cannot be read" in report
     assert "site `site-1` (its own ledger): epsilon" in report
     assert damaged.read_text() == text
+
+
+@pytest.mark.parametrize("transport", ["basis", "rebuild"])
+def test_a_basis_the_sites_would_refuse_is_an_error_naming_num_basis(
+    tmp_path, digits, monkeypatch, transport
+):
+    """More basis directions than the anchors' gradients span (num_basis 100,000 on
+    digits' 2,000 anchors) rebuilt a basis 0.07 from orthonormal, and the run ended naming
+    only the wire field. Here every basis is held to a bound none meets."""
+    monkeypatch.setattr(wire, "MAX_BASIS_ORTHONORMALITY_ERROR", -1.0)
+    server = make_server(tmp_path, digits, mode="client", basis_transport=transport)
+    with pytest.raises(
+        ConfigError, match=r"not orthonormal .*num_basis 20 asks for \[.* 200 anchors"
+    ):
+        server.plan_round(1)

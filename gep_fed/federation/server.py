@@ -246,22 +246,32 @@ class FederationServer:
             )
             # Reconstruct with the basis the sites will use: as received (float16 included),
             # or rebuilt from the anchors and coefficients as sent, the way a site does.
-            if cfg.basis_transport == "rebuild":
-                self._basis_arrays = encode_anchors(result.anchors)
-                sent = decode_anchors(self._wire_arrays(), self.layout)
-                self.subspace = checked_basis(
-                    rebuild_anchor_subspace(
-                        self.model,
-                        sent,
-                        self.layout,
-                        loss_fn=self.task.loss,
-                        max_chunk=self.gep.max_chunk,
-                    ),
-                    "server",
-                )
-            else:
-                self._basis_arrays = encode_basis(result.subspace, cfg.basis_dtype)
-                self.subspace = decode_basis(self._wire_arrays(), self.layout, cfg.basis_dtype)
+            try:
+                if cfg.basis_transport == "rebuild":
+                    self._basis_arrays = encode_anchors(result.anchors)
+                    sent = decode_anchors(self._wire_arrays(), self.layout)
+                    self.subspace = checked_basis(
+                        rebuild_anchor_subspace(
+                            self.model,
+                            sent,
+                            self.layout,
+                            loss_fn=self.task.loss,
+                            max_chunk=self.gep.max_chunk,
+                        ),
+                        "server",
+                    )
+                else:
+                    self._basis_arrays = encode_basis(result.subspace, cfg.basis_dtype)
+                    self.subspace = decode_basis(self._wire_arrays(), self.layout, cfg.basis_dtype)
+            except WireError as err:  # the sites would refuse it: say which setting to change
+                public = int(self.public[0].shape[0])
+                anchors = min(cfg.num_anchors or public, public)
+                raise ConfigError(
+                    f"the round's basis is refused as the sites would refuse it ({err}): "
+                    f"num_basis {cfg.num_basis} asks for {list(result.subspace.dims)} "
+                    f"directions per group from {anchors} anchors, more than their gradients "
+                    "span in some group; lower num_basis or hold more anchors"
+                ) from err
             self.subspace = self.subspace.to(self.device)
             self.basis_id = basis_id
             anchor_seconds, proj_err = result.seconds, result.projection_error
