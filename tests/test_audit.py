@@ -85,6 +85,39 @@ def test_the_fitted_mu_covers_the_true_shift_at_its_confidence():
     assert fitted_mu_lower_bound(scores / 2 + 0.25 * included, included) > 1.2
 
 
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"seed": -1}, r"seed must be an integer in \[0, inf\), got -1"),
+        ({"canaries": 0}, "canaries must be an integer"),
+        ({"sample_rate": 1.5}, "sample_rate must be a finite number in"),
+    ],
+)
+def test_a_bad_audit_setting_is_named_and_leaves_no_folder(tmp_path, capsys, setting, message):
+    from gep_fed.cli.main import main
+
+    with pytest.raises(ValueError, match=message):
+        AuditSetup(**setting)
+    flag, value = next(iter(setting.items()))
+    args = ["audit", f"--{flag.replace('_', '-')}", str(value), "--run-dir", str(tmp_path)]
+    assert main(args) == 2
+    assert "gep-fed audit: error:" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_audit_that_fails_midway_leaves_no_empty_folder(tmp_path, monkeypatch):
+    import gep_fed.audit.harness as harness
+    from gep_fed.cli.main import main
+
+    def failing(setup, run_dir=None):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(harness, "run_audit", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(["audit", "--run-dir", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.audit
 @pytest.mark.parametrize("epsilon", [2.0, 8.0])
 @pytest.mark.parametrize("mode", ["central", "client"])

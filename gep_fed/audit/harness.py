@@ -30,6 +30,7 @@ from gep_fed.mechanisms.mechanism import GP, calibrate_noise_multiplier
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.sampling import PoissonSampler
 from gep_fed.mechanisms.step import GEPStep
+from gep_fed.validation import AT_LEAST_ONE, PROBABILITY, Range
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,10 @@ class AuditSetup:
             )
         if self.mechanism == "langevin" and self.mode != SINGLE:
             raise ValueError("Langevin is audited in mode 'single' (LangevinTrainer)")
+        Range(0, integer=True).check("seed", self.seed)
+        for name in ("canaries", "steps", "examples", "num_basis"):
+            AT_LEAST_ONE.check(name, getattr(self, name))
+        PROBABILITY.check("sample_rate", self.sample_rate)
 
 
 def peer_examples(setup: AuditSetup, i: int) -> range:

@@ -270,7 +270,12 @@ def _audit(args: argparse.Namespace) -> int:
     out = Path(args.run_dir) / f"audit-{stamp}-{args.mechanism}-{args.mode}-eps{args.epsilon:g}"
     out.mkdir(parents=True, exist_ok=False)
     began = time.perf_counter()
-    result = run_audit(setup, run_dir=str(out))
+    try:
+        result = run_audit(setup, run_dir=str(out))
+    except BaseException:
+        if not any(out.iterdir()):  # a failed audit leaves no empty folder behind
+            out.rmdir()
+        raise
     (out / "audit.json").write_text(json.dumps(result.to_dict(), indent=1))
     title = f"# gep-fed audit `{out.name}`"
     (out / "report.md").write_text("\n".join([title, "", *report_lines(result)]))
