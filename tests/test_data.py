@@ -166,6 +166,8 @@ def test_partitions_are_disjoint_complete_seeded_and_dirichlet_is_skewed():
     assert label_skew(labels, more_skew) > label_skew(labels, skewed)
     with pytest.raises(ValueError, match="partition must be one of"):
         partition_indices(labels, 3, "shards")
+    with pytest.raises(ValueError, match=r"Dirichlet split with alpha 0\.001 gave no 20 shares"):
+        partition_indices(labels[:300], 20, "dirichlet", alpha=0.001, seed=0)
 
 
 def test_a_process_splits_the_same_labels_once_and_each_caller_gets_its_own_arrays():

@@ -5,6 +5,7 @@ Uses flwr-datasets' partitioners (the maintained implementations) on the label c
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -72,7 +73,20 @@ def _split(
         )
     partitioner.dataset = table
     # the index column read at once (iterating a column reads it row by row)
-    return [
-        np.sort(partitioner.load_partition(i).with_format("numpy")[:]["index"].astype(np.int64))
-        for i in range(num_sites)
-    ]
+    with warnings.catch_warnings():  # Flower warns at each failed draw; the error below says it
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return [
+                np.sort(
+                    partitioner.load_partition(i).with_format("numpy")[:]["index"].astype(np.int64)
+                )
+                for i in range(num_sites)
+            ]
+        except ValueError as err:  # Flower's Dirichlet partitioner gave up
+            if scheme != "dirichlet":
+                raise
+            raise ValueError(
+                f"a Dirichlet split with alpha {alpha:g} gave no {num_sites} shares of at least "
+                f"{min_size} examples each from {len(labels)} examples in 10 draws ({err}): "
+                "raise dirichlet_alpha, or use fewer sites"
+            ) from None
