@@ -47,6 +47,10 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
             "--num-sites 5 with 2 --site-data sites",
         ),
         (["simulate", "--site-data", "a=x", "--min-sites", "2"], "--min-sites 2 with 1"),
+        (
+            ["simulate", "--mode", "central", "--local-steps", "5", "--local-lr", "0.1"],
+            "--local-steps, --local-lr set(s) the sites' own steps, which central mode does not",
+        ),
     ],
 )
 def test_bad_values_get_an_error_that_names_them(capsys, args, message):
