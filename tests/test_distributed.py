@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,10 +24,12 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
 from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.secure_sum import (
     MODULUS,
     PinnedPeers,
+    RoundBinding,
     SignedKey,
     advertise,
     create_site_key,
@@ -210,12 +213,15 @@ def test_a_site_that_accepts_no_distributed_round_is_named_with_its_refusal(tmp_
 
 
 def tamper_keys(victim: int, change):
-    """A server that rewrites the list of keys the ``victim`` gets at the collect stage."""
+    """A server that rewrites the list of keys the ``victim`` gets at the collect stage
+    (``change(keys, binding)``, the binding of the round as the victim checks it)."""
 
     def tamper(node, stage, content):
         if node == victim and stage == COLLECT:
             record = content.config_records[SECURE_SUM]
-            keys = change(read_keys(record))
+            rc = wire.RoundConfig.from_record(content.config_records[wire.ROUND_CONFIG])
+            binding = RoundBinding(TaskIdentity.run_id, rc.round, rc.digest())
+            keys = change(read_keys(record), binding)
             content.config_records[SECURE_SUM] = stage_record(COLLECT, record["round"], keys)
 
     return tamper
@@ -233,16 +239,16 @@ def assert_victim_refused_before_computing(tmp_path, shares, reason, cause):
 def test_n1_a_victim_given_fewer_keys_than_its_noise_split_needs_refuses(tmp_path, monkeypatch):
     """N1: the victim is told of one neighbour only, so that its share would carry one mask."""
     shares, sums = spy_shares(monkeypatch)
-    own_and_one = tamper_keys(100, lambda keys: keys[:2])
+    own_and_one = tamper_keys(100, lambda keys, _: keys[:2])
     run(tmp_path, tamper=own_and_one, rounds=1)
     assert sums == []
     assert_victim_refused_before_computing(tmp_path, shares, "too few sites", "2 sites listed")
 
 
-def forged(keys, run_id, round_, sign_with=None):
+def forged(keys, binding, sign_with=None):
     """Site 1's entry replaced by a key the server made: signed by ``sign_with`` (a key no
     site pinned), or carrying site 1's site key over a signature that is not its own."""
-    agreement = advertise(sign_with or Ed25519PrivateKey.generate(), run_id, round_)[1]
+    agreement = advertise(sign_with or Ed25519PrivateKey.generate(), binding)[1]
     if sign_with is None:
         agreement = SignedKey(keys[1].site_key, agreement.agreement_key, agreement.signature)
     return [keys[0], agreement, *keys[2:]]
@@ -253,29 +259,25 @@ def test_n2_a_key_no_pinned_peer_signed_is_refused_by_name(tmp_path, monkeypatch
     """N2: the server hands the victim agreement keys it made itself."""
     shares, sums = spy_shares(monkeypatch)
     outsider = Ed25519PrivateKey.generate() if signer == "unpinned key" else None
-    run_id = TaskIdentity.run_id
-    run(tmp_path, tamper=tamper_keys(100, lambda k: forged(k, run_id, 1, outsider)), rounds=1)
+    run(tmp_path, tamper=tamper_keys(100, lambda k, b: forged(k, b, outsider)), rounds=1)
     assert sums == []
     if outsider is not None:
         outsider_text = key_text(outsider.public_key().public_bytes_raw())
         cause = f"a key signed by {outsider_text}, not a pinned peer"
     else:
-        cause = "the key listed for site-1 is not signed by it for this round"
+        cause = "the key listed for site-1 is not signed by it for this round and settings"
     assert_victim_refused_before_computing(tmp_path, shares, "unpinned peer", cause)
 
 
 def test_n2_a_key_signed_for_another_round_is_refused(tmp_path, monkeypatch):
     shares, _ = spy_shares(monkeypatch)
-    run_id = TaskIdentity.run_id
-    site_1 = None
 
-    def old_key(keys):
+    def old_key(keys, binding):
         # site 1's key file signs a key for round 7: a valid signature for another round
-        nonlocal site_1
         (path,) = tmp_path.glob("**/sites/site-1/site-key.pem")
         from gep_fed.federation.secure_sum import load_site_key
 
-        site_1 = advertise(load_site_key(path), run_id, 7)[1]
+        site_1 = advertise(load_site_key(path), replace(binding, round=7))[1]
         return [keys[0], site_1, *keys[2:]]
 
     run(tmp_path, tamper=tamper_keys(100, old_key), rounds=1)
@@ -318,6 +320,61 @@ def test_n4_a_round_splitting_the_noise_otherwise_than_the_site_is_refused(
         assert entries[-1]["outcome"] == "other noise split"
 
 
+def finer_step(record, factor=4.0):
+    """A round config whose quantisation step is ``factor`` times finer: the site's share,
+    in integers, comes out ``factor`` times larger, so the other sites' noise shrinks to
+    1/``factor`` relative to it in the sum (review of 2026-12-07: sigma 0.61 of the target
+    at 4, an effective epsilon near 17 where the ledger said 8)."""
+    record["privacy.quantization_step"] = record["privacy.quantization_step"] / factor
+
+
+@pytest.mark.parametrize("where", ["collect stage only", "both stages"])
+def test_n6_a_victim_sent_other_settings_than_its_peers_is_never_summed(
+    tmp_path, monkeypatch, where
+):
+    """N6: the server gives the victim (node 100) a finer quantisation step than its peers.
+    Each site signs its agreement key over the digest of the round's settings and checks
+    every peer's key over its own round config's digest: sent at the collect stage only, the
+    victim refuses the settings it did not sign; sent consistently at both stages, its
+    peers' keys do not verify over its settings, nor its key over theirs. No sum is
+    decoded, and the victim computes no share and records nothing."""
+    from gep_fed.federation.rounds import RoundLoop
+
+    shares, sums = spy_shares(monkeypatch)
+    tamper = None
+    if where == "collect stage only":
+
+        def tamper(node, stage, content):
+            if node == 100 and stage == COLLECT:
+                finer_step(content.config_records[wire.ROUND_CONFIG])
+
+    else:
+        configure = RoundLoop.configure_round
+
+        def configure_finer_for_the_victim(self, rnd, nodes):
+            requests = configure(self, rnd, nodes)
+            for request in requests:
+                if request.node == 100:
+                    request.content.records[wire.ROUND_CONFIG] = type(
+                        request.content.records[wire.ROUND_CONFIG]
+                    )(request.content.records[wire.ROUND_CONFIG])
+                    finer_step(request.content.records[wire.ROUND_CONFIG])
+            return requests
+
+        monkeypatch.setattr(RoundLoop, "configure_round", configure_finer_for_the_victim)
+    run(tmp_path, tamper=tamper, rounds=1)
+    assert sums == []
+    assert site_ledger_steps(tmp_path, "site-0") == 0
+    victim = site_rounds(tmp_path)["site-0"][-1]
+    if where == "collect stage only":
+        assert victim["outcome"] == "malformed round" and len(shares) == 2
+    else:
+        assert victim["outcome"] == "unpinned peer" and shares == []
+        assert "not signed by it for this round and settings" in victim["cause"]
+        for peer in ("site-1", "site-2"):
+            assert site_rounds(tmp_path)[peer][-1]["outcome"] == "unpinned peer"
+
+
 def test_n5_masks_have_no_32_bit_bottleneck():
     """Flower folded each seed to 32 bits (XOR of its words) before MT19937. Two keys that
     agree in that fold give unrelated masks here."""
@@ -339,14 +396,16 @@ def test_n5_masks_have_no_32_bit_bottleneck():
     assert np.mean(ma == mb) < 1e-3  # equal words by chance only (2**-32 each)
     assert abs(float(np.corrcoef(ma, mb)[0, 1])) < 0.02
     # the pairwise key depends on the whole shared secret through HKDF, bound to the round
-    p1, k1 = advertise(Ed25519PrivateKey.generate(), 1, 1)
-    p2, k2 = advertise(Ed25519PrivateKey.generate(), 1, 1)
-    assert pairwise_key(p1, k1.agreement_key, k2.agreement_key, 1, 1) == pairwise_key(
-        p2, k2.agreement_key, k1.agreement_key, 1, 1
+    binding = RoundBinding(1, 1, bytes(32))
+    p1, k1 = advertise(Ed25519PrivateKey.generate(), binding)
+    p2, k2 = advertise(Ed25519PrivateKey.generate(), binding)
+    assert pairwise_key(p1, k1.agreement_key, k2.agreement_key, binding) == pairwise_key(
+        p2, k2.agreement_key, k1.agreement_key, binding
     )
-    assert pairwise_key(p1, k1.agreement_key, k2.agreement_key, 1, 2) != pairwise_key(
-        p1, k1.agreement_key, k2.agreement_key, 1, 1
-    )
+    for other in (replace(binding, round=2), replace(binding, settings=bytes(31) + b"\1")):
+        assert pairwise_key(p1, k1.agreement_key, k2.agreement_key, other) != pairwise_key(
+            p1, k1.agreement_key, k2.agreement_key, binding
+        )
 
 
 def test_a_peers_file_is_read_with_every_problem_named(tmp_path):

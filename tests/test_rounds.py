@@ -40,11 +40,13 @@ from gep_fed.federation.secure_sum import (
     MASKED_SHARE,
     SECURE_SUM,
     PinnedPeers,
+    RoundBinding,
     SecureSumRefused,
     advertise,
     check_keys,
     masked_vector,
     read_keys,
+    read_settings,
     site_public_key,
 )
 from gep_fed.federation.site import Site, site_dataset
@@ -157,9 +159,10 @@ class SiteGrid:
             return Reply(node, error=wire.REFUSALS[refused.reason], run_id=self.run_id)
 
     def _advertise(self, node: int, content: Envelope) -> Reply:
-        round_ = content.config(SECURE_SUM)["round"]
-        private, signed = advertise(self.keys[node], self.run_id, round_)
-        self.state[node]["agreement"] = (round_, private, signed)
+        record = content.config(SECURE_SUM)
+        binding = RoundBinding(self.run_id, record["round"], read_settings(record))
+        private, signed = advertise(self.keys[node], binding)
+        self.state[node]["agreement"] = (binding, private, signed)
         key = Config({"signed-key": b"".join(signed.as_list())})
         return Reply(node, Envelope({SECURE_SUM: key}))
 
@@ -169,10 +172,11 @@ class SiteGrid:
         last_round = state.get("last-round")
         site.admit(rc, last_round)
         if rc.noise_mode.secure_sum:
-            round_, private, own = state.pop("agreement")
+            binding, private, own = state.pop("agreement")
             keys = read_keys(content.config(SECURE_SUM))
-            assert content.config(SECURE_SUM)["stage"] == COLLECT and round_ == rc.round
-            check_keys(keys, own, self.peers, self.run_id, rc.round, site.policy.sites_needed())
+            assert content.config(SECURE_SUM)["stage"] == COLLECT
+            assert binding == RoundBinding(self.run_id, rc.round, rc.digest())
+            check_keys(keys, own, self.peers, binding, site.policy.sites_needed())
         model = wire.decode_state(content.arrays(wire.GLOBAL_MODEL), site.model.state_dict())
         site.load_state(model)
         subspace = None
@@ -188,7 +192,7 @@ class SiteGrid:
         if release.sums is not None:
             records = {wire.CLIPPED_SUMS: Arrays(wire.encode_sums(release.sums))}
         elif release.share is not None:
-            masked = masked_vector(release.share, private, own, keys, self.run_id, rc.round)
+            masked = masked_vector(release.share, private, own, keys, binding)
             records = {MASKED_SHARE: Arrays({MASKED_SHARE: masked.astype(np.uint32)})}
         else:
             records = {wire.MODEL_DELTA: Arrays(wire.encode_delta(site.layout, release.delta))}

@@ -45,6 +45,7 @@ from gep_fed.federation.secure_sum import (
     COLLECT,
     MASKED_SHARE,
     SECURE_SUM,
+    RoundBinding,
     SignedKey,
     read_masked_share,
     read_signed_key,
@@ -186,7 +187,11 @@ class SecureSumRound:
         per site). ``accept(node, reply)`` checks a collect reply's metadata and returns why
         it is rejected (None: accepted); a rejected reply abandons the round."""
         contents = {r.node: r.content for r in requests}
-        keys = self.advertise_keys(sorted(contents))
+        settings = {
+            node: wire.RoundConfig.from_record(content.config(wire.ROUND_CONFIG)).digest()
+            for node, content in contents.items()
+        }
+        keys = self.advertise_keys(settings)
         if len(keys) < self.needed:
             self.failures.append(
                 f"{len(keys)} sites advertised a key, {self.needed} needed: round abandoned"
@@ -199,20 +204,22 @@ class SecureSumRound:
             total, sorted(shares), {} if total is None else replies, self.failures
         )
 
-    def advertise_keys(self, nodes: list[int]) -> dict[int, SignedKey]:
-        """Stage 1: each site's signed agreement key (those that verify)."""
+    def advertise_keys(self, settings: Mapping[int, bytes]) -> dict[int, SignedKey]:
+        """Stage 1: each site's signed agreement key (those that verify), bound to the
+        digest of the round config it will be sent (``settings``, by node)."""
         stage = [
-            Request(n, Envelope({SECURE_SUM: Config(stage_config(ADVERTISE, self.round))}))
-            for n in nodes
+            Request(n, Envelope({SECURE_SUM: Config(stage_config(ADVERTISE, self.round, None, d))}))
+            for n, d in sorted(settings.items())
         ]
         replies = self._exchange(stage)
         keys: dict[int, SignedKey] = {}
-        for node in nodes:
+        for node in sorted(settings):
             reply = replies.get(node)
             why = self._answered(node, reply, ADVERTISE)
             if why is None:
                 key = read_signed_key(reply.content.config(SECURE_SUM))
-                if key is None or not key.verified(reply.run_id, self.round):
+                binding = RoundBinding(reply.run_id, self.round, settings[node])
+                if key is None or not key.verified(binding):
                     why = "its signed key is malformed or not signed for this round"
                 elif any(k.site_key == key.site_key for k in keys.values()):
                     why = "its site key is another node's"

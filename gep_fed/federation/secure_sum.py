@@ -14,12 +14,15 @@ and nothing about any share can be recovered from what was sent.
 One round, for site ``i`` of the listed sites ``L``:
 
 1. advertise: ``i`` draws a fresh X25519 agreement key and signs ``(PROTOCOL, run, round,
-   agreement key)`` with its Ed25519 site key;
-2. collect: the server forwards every listed site's signed key. ``i`` refuses unless every
-   key verifies under a peer it pinned (or its own), no peer appears twice, its own key is
-   there once, and ``|L|`` reaches its ``noise-shares + max-colluding-sites``. Then for each
-   other site ``j`` it derives ``k_ij = HKDF-SHA256(X25519(a_i, A_j), info = PROTOCOL, run,
-   round, the two agreement keys in order)`` and the mask ``m_ij = ChaCha20(k_ij)``'s
+   settings, agreement key)`` with its Ed25519 site key, where ``settings`` is the digest of
+   the round's configuration as the server announces it (``RoundBinding``);
+2. collect: the server forwards every listed site's signed key with the round's
+   configuration. ``i`` refuses unless that configuration's digest is the one it signed, every
+   key verifies under a peer it pinned (or its own) over the same digest, no peer appears
+   twice, its own key is there once, and ``|L|`` reaches its ``noise-shares +
+   max-colluding-sites``. Then for each other site ``j`` it derives ``k_ij =
+   HKDF-SHA256(X25519(a_i, A_j), info = PROTOCOL, run, round, settings, the two agreement keys
+   in order)`` and the mask ``m_ij = ChaCha20(k_ij)``'s
    keystream as 32-bit words, and sends ``y_i = x_i + 1 e_0 + sum_j s_ij m_ij (mod 2**32)``
    with ``s_ij = +1`` when ``A_i < A_j``, else ``-1``. Its agreement key is then erased.
 3. the server adds the ``y_i``: the masks cancel, coordinate 0 counts the sites (a check
@@ -28,7 +31,9 @@ One round, for site ``i`` of the listed sites ``L``:
 Why a deviating server learns no share: the masks between two honest sites are unknown to
 it (it holds neither agreement key), so a sum it can unmask that holds ``x_i`` holds every
 honest site ``i`` listed, and ``i`` listed at least ``noise-shares + max-colluding-sites``
-pinned sites; each honest site checks the round's noise split against its own node config.
+pinned sites; each honest site checks the round's noise split against its own node config,
+and every site in the sum signed the same settings, so none was given a finer quantisation
+step or another noise than its peers (which would shrink their noise relative to its share).
 A site answers each round once (its ledger records the round before it replies).
 
 Security level (bits, against the best known attacks): Ed25519 signatures and X25519
@@ -58,7 +63,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gep_fed.validation import ConfigError
 
-PROTOCOL = b"gep-fed secure sum v1"
+PROTOCOL = b"gep-fed secure sum v2"  # v2: bound to the round's settings
+SETTINGS_BYTES = 32  # SHA-256
 MODULUS_BITS = 32
 MODULUS = 1 << MODULUS_BITS
 KEY_BYTES = 32
@@ -165,6 +171,24 @@ class PinnedPeers:
 
 
 @dataclass(frozen=True)
+class RoundBinding:
+    """What a round's signatures and masks are bound to: the run, the round, and the digest
+    of the round's settings (``gep_fed.federation.wire.settings_digest``) as the site received
+    them."""
+
+    run_id: int
+    round: int
+    settings: bytes
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.settings, bytes) and len(self.settings) == SETTINGS_BYTES):
+            raise ValueError(f"a round's settings digest is {SETTINGS_BYTES} bytes")
+
+    def encoded(self) -> bytes:
+        return PROTOCOL + _u64(self.run_id) + _u64(self.round) + self.settings
+
+
+@dataclass(frozen=True)
 class SignedKey:
     """A site's agreement key for one round, signed by its site key."""
 
@@ -173,10 +197,10 @@ class SignedKey:
     signature: bytes
 
     @staticmethod
-    def signed_message(run_id: int, round_: int, agreement_key: bytes) -> bytes:
-        return PROTOCOL + _u64(run_id) + _u64(round_) + agreement_key
+    def signed_message(binding: RoundBinding, agreement_key: bytes) -> bytes:
+        return binding.encoded() + agreement_key
 
-    def verified(self, run_id: int, round_: int) -> bool:
+    def verified(self, binding: RoundBinding) -> bool:
         if not (
             len(self.site_key) == KEY_BYTES
             and len(self.agreement_key) == KEY_BYTES
@@ -185,7 +209,7 @@ class SignedKey:
             return False
         try:
             Ed25519PublicKey.from_public_bytes(self.site_key).verify(
-                self.signature, self.signed_message(run_id, round_, self.agreement_key)
+                self.signature, self.signed_message(binding, self.agreement_key)
             )
         except (InvalidSignature, ValueError):
             return False
@@ -195,12 +219,12 @@ class SignedKey:
         return [self.site_key, self.agreement_key, self.signature]
 
 
-def advertise(site_key: Ed25519PrivateKey, run_id: int, round_: int) -> tuple[bytes, SignedKey]:
+def advertise(site_key: Ed25519PrivateKey, binding: RoundBinding) -> tuple[bytes, SignedKey]:
     """A fresh agreement key for the round: (its private bytes, kept by the site until the
     collect stage; the signed public key, sent)."""
     agreement = X25519PrivateKey.generate()
     public = _public_bytes(agreement.public_key())
-    signature = site_key.sign(SignedKey.signed_message(run_id, round_, public))
+    signature = site_key.sign(SignedKey.signed_message(binding, public))
     private = agreement.private_bytes(
         serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
     )
@@ -211,13 +235,12 @@ def check_keys(
     keys: Sequence[SignedKey],
     own: SignedKey,
     peers: PinnedPeers,
-    run_id: int,
-    round_: int,
+    binding: RoundBinding,
     needed: int,
 ) -> None:
     """Refuse (``SecureSumRefused``) a collect stage's list of keys unless every key is
-    signed for this run and round by a pinned peer or this site, none twice, this site's
-    own once, and at least ``needed`` sites (this one included) are listed."""
+    signed for this run, round and settings by a pinned peer or this site, none twice, this
+    site's own once, and at least ``needed`` sites (this one included) are listed."""
     seen_sites, seen_agreement = set(), set()
     for key in keys:
         own_site = key.site_key == own.site_key
@@ -226,9 +249,10 @@ def check_keys(
             raise SecureSumRefused(
                 "unpinned peer", f"a key signed by {key_text(key.site_key)}, not a pinned peer"
             )
-        if not key.verified(run_id, round_):
+        if not key.verified(binding):
             raise SecureSumRefused(
-                "unpinned peer", f"the key listed for {name} is not signed by it for this round"
+                "unpinned peer",
+                f"the key listed for {name} is not signed by it for this round and settings",
             )
         if key.site_key in seen_sites or key.agreement_key in seen_agreement:
             raise SecureSumRefused("malformed round", f"{name} is listed twice")
@@ -254,15 +278,15 @@ def mask_stream(shared_key: bytes, length: int) -> np.ndarray:
 
 
 def pairwise_key(
-    private: bytes, own_agreement: bytes, other_agreement: bytes, run_id: int, round_: int
+    private: bytes, own_agreement: bytes, other_agreement: bytes, binding: RoundBinding
 ) -> bytes:
     """The 256-bit mask key of two sites for one round: HKDF-SHA256 of their X25519 secret,
-    bound to the protocol, run, round and both agreement keys."""
+    bound to the protocol, run, round, settings and both agreement keys."""
     secret = X25519PrivateKey.from_private_bytes(private).exchange(
         X25519PublicKey.from_public_bytes(other_agreement)
     )
     low, high = sorted((own_agreement, other_agreement))
-    info = PROTOCOL + _u64(run_id) + _u64(round_) + low + high
+    info = binding.encoded() + low + high
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
@@ -271,8 +295,7 @@ def masked_vector(
     private: bytes,
     own: SignedKey,
     keys: Sequence[SignedKey],
-    run_id: int,
-    round_: int,
+    binding: RoundBinding,
 ) -> np.ndarray:
     """The site's share (non-negative integers) with a count of one in front, masked by one
     pairwise mask per other listed site, modulo ``2**32`` (int64)."""
@@ -281,7 +304,7 @@ def masked_vector(
         if key.agreement_key == own.agreement_key:
             continue
         mask = mask_stream(
-            pairwise_key(private, own.agreement_key, key.agreement_key, run_id, round_),
+            pairwise_key(private, own.agreement_key, key.agreement_key, binding),
             values.size,
         )
         values = values + mask if own.agreement_key < key.agreement_key else values - mask
@@ -316,12 +339,28 @@ ADVERTISE, COLLECT = "advertise", "collect"
 SIGNED_KEY_BYTES = 2 * KEY_BYTES + SIGNATURE_BYTES
 
 
-def stage_config(stage: str, round_: int, keys: Sequence[SignedKey] | None = None) -> dict:
-    """A stage's config record: its name, its round and (collect) every listed key."""
+def stage_config(
+    stage: str,
+    round_: int,
+    keys: Sequence[SignedKey] | None = None,
+    settings: bytes | None = None,
+) -> dict:
+    """A stage's config record: its name, its round, (advertise) the digest of the round's
+    settings and (collect) every listed key."""
     record: dict = {"stage": stage, "round": round_}
+    if settings is not None:
+        record["settings"] = settings
     if keys is not None:
         record["keys"] = [b"".join(k.as_list()) for k in keys]
     return record
+
+
+def read_settings(record: Mapping) -> bytes:
+    """The advertise stage's settings digest (``ValueError`` when malformed)."""
+    raw = record.get("settings")
+    if not (isinstance(raw, bytes) and len(raw) == SETTINGS_BYTES):
+        raise ValueError(f"the advertise stage's settings must be a {SETTINGS_BYTES}-byte digest")
+    return raw
 
 
 def read_keys(record: Mapping) -> list[SignedKey]:

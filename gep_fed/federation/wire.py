@@ -10,6 +10,7 @@ naming the sender and the field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -268,6 +269,13 @@ class RoundConfig:
     def to_record(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "privacy"}
         return {**out, **self.privacy.to_record()}
+
+    def digest(self) -> bytes:
+        """SHA-256 of this config's record in canonical JSON: what a distributed round's
+        signatures and masks are bound to (``gep_fed.federation.secure_sum.RoundBinding``),
+        so that the sites summed together were all sent the same settings."""
+        text = json.dumps(self.to_record(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).digest()
 
     @classmethod
     def from_record(cls, record: Mapping, sender: str = "server") -> RoundConfig:

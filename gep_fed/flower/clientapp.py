@@ -47,11 +47,13 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig, simulated_site_name
 from gep_fed.federation.rundir import SITE_ROUNDS
 from gep_fed.federation.secure_sum import (
+    RoundBinding,
     SecureSumRefused,
     SignedKey,
     advertise,
     check_keys,
     masked_vector,
+    read_settings,
 )
 from gep_fed.federation.site import Site, resolve_device, site_data_parts
 from gep_fed.federation.site_score import new_coins_key
@@ -357,8 +359,8 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
     if release.sums is not None:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
     elif release.share is not None:
-        private, own, keys = agreement
-        masked = masked_vector(release.share, private, own, keys, msg.metadata.run_id, rc.round)
+        private, own, keys, binding = agreement
+        masked = masked_vector(release.share, private, own, keys, binding)
         payload = {MASKED_SHARE: _arrays({MASKED_SHARE: masked.astype(np.uint32)})}
     else:
         delta = wire.encode_delta(site.layout, release.delta)
@@ -394,10 +396,20 @@ def _advertise(msg: Message, context: Context, served: Served) -> Message:
     declined = context.state.config_records.get(DECLINED_KEY, {}).get(DECLINED_KEY)
     if declined is not None and round_ <= declined:
         raise wire.RoundRefused("over budget")  # the run it refused: no key for its rounds
+    try:
+        settings = read_settings(record)
+    except ValueError:
+        raise wire.RoundRefused("malformed round") from None
     cfg = _SITES[(context.run_id, context.node_id, served.trial)][1]
-    private, signed = advertise(cfg.site_key(), msg.metadata.run_id, round_)
+    binding = RoundBinding(msg.metadata.run_id, round_, settings)
+    private, signed = advertise(cfg.site_key(), binding)
     context.state[AGREEMENT_KEY] = ConfigRecord(
-        {"round": round_, "private": private, "signed": b"".join(signed.as_list())}
+        {
+            "round": round_,
+            "settings": settings,
+            "private": private,
+            "signed": b"".join(signed.as_list()),
+        }
     )
     content = RecordDict({SECURE_SUM: ConfigRecord({"signed-key": b"".join(signed.as_list())})})
     return Message(content=content, reply_to=msg)
@@ -405,10 +417,11 @@ def _advertise(msg: Message, context: Context, served: Served) -> Message:
 
 def _checked_keys(
     msg: Message, context: Context, rc: wire.RoundConfig, site: Site, served: Served
-) -> tuple[bytes, SignedKey, list[SignedKey]]:
-    """The collect stage's keys, checked against this site's pinned peers and noise split
-    before anything is computed; the round's agreement key is erased from the site's state
-    here, so it masks one share at most."""
+) -> tuple[bytes, SignedKey, list[SignedKey], RoundBinding]:
+    """The collect stage's keys, checked against this site's pinned peers and noise split,
+    and the round config against the settings every listed site signed, before anything is
+    computed; the round's agreement key is erased from the site's state here, so it masks
+    one share at most."""
     held = context.state.config_records.get(AGREEMENT_KEY)
     if AGREEMENT_KEY in context.state.config_records:
         del context.state.config_records[AGREEMENT_KEY]
@@ -421,13 +434,14 @@ def _checked_keys(
         keys = read_keys(record)
     except ValueError:
         raise wire.RoundRefused("malformed round") from None
+    if held.get("settings") != rc.digest():  # other settings than those it signed
+        raise wire.RoundRefused("malformed round")
     signed = held["signed"]
     own = SignedKey(signed[:32], signed[32:64], signed[64:])
     cfg = _SITES[(context.run_id, context.node_id, served.trial)][1]
-    check_keys(
-        keys, own, cfg.pinned_peers(), msg.metadata.run_id, rc.round, site.policy.sites_needed()
-    )
-    return held["private"], own, keys
+    binding = RoundBinding(msg.metadata.run_id, rc.round, rc.digest())
+    check_keys(keys, own, cfg.pinned_peers(), binding, site.policy.sites_needed())
+    return held["private"], own, keys, binding
 
 
 def _score(msg: Message, context: Context, served: Served) -> Message:
