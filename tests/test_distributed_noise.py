@@ -104,6 +104,24 @@ def test_the_decoded_sum_is_the_sites_clipped_sums_plus_noise_of_the_target_std(
     assert (decoded.embedding - truth.embedding).std() == pytest.approx(0.8 * 0.5, rel=0.3)
 
 
+def test_the_rounding_coins_come_from_the_os_not_a_seeded_generator(monkeypatch):
+    """The randomised rounding took its uniforms from ``torch.rand`` on a Mersenne Twister
+    seeded with 63 bits (review of 2026-12-07); they are the OS's own now: a share is
+    encoded with ``torch.rand`` forbidden, and the coins are uniform on [0, 1)."""
+    from gep_fed.mechanisms.distributed_noise import os_uniforms
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.rand drew the rounding's coins")
+
+    monkeypatch.setattr(torch, "rand", forbidden)
+    mech = PrivacyContract("gp", 1.0, 0.1, clip_norm=1.0).build_mechanism()
+    noise = DistributedNoise(noise_shares=2, bits=20, step=1e-3)
+    noise.encode(ClippedSums(None, torch.ones(50) / 50), mech, rotation_seed=1)
+    u = os_uniforms(200_000)
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.005  # 7 std
+    assert not np.array_equal(os_uniforms(8), os_uniforms(8))
+
+
 def test_a_sum_that_wraps_past_half_the_modulus_is_read_as_negative():
     mech = PrivacyContract("gp", 1.0, 0.1, clip_norm=1.0).build_mechanism()
     noise = DistributedNoise(noise_shares=1, bits=8, step=1.0)

@@ -27,7 +27,7 @@ range, unscales, rotates back and splits it into the noised clipped sums.
 from __future__ import annotations
 
 import math
-import secrets
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -66,6 +66,13 @@ def _paley(q: int) -> torch.Tensor:
 # products with 2**b give every order c 2**b, c in {1, 3, 5}, so a vector pads by at most a
 # third rather than up to double; each entry is still +-1/sqrt(d), spreading as evenly.
 _ODD_ORDERS = {1: None, 3: 11, 5: 19}
+
+
+def os_uniforms(n: int) -> np.ndarray:
+    """``n`` float64 uniforms on [0, 1), 53 bits each, from the OS's CSPRNG (the randomised
+    rounding's coins: no seed expanded by a non-cryptographic generator)."""
+    words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def padded_dimension(length: int) -> int:
@@ -254,8 +261,7 @@ class DistributedNoise:
         x = torch.zeros(d, dtype=torch.float64)
         x[: flat.numel()] = flat
         rotated = hadamard(x * rotation_signs(rotation_seed, d)) / self.step
-        gen = torch.Generator().manual_seed(secrets.randbits(63))
-        rounded = torch.floor(rotated + torch.rand(d, generator=gen, dtype=torch.float64))
+        rounded = torch.floor(rotated + torch.from_numpy(os_uniforms(d)))
         noisy = discrete_gaussian(rounded.numpy(), self.share_scale(mechanism.noise_multiplier))
         return np.mod(noisy, self.modulus)
 
