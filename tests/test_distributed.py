@@ -408,6 +408,32 @@ def test_n5_masks_have_no_32_bit_bottleneck():
         )
 
 
+def test_the_server_learns_the_sum_of_the_shares_modulo_their_bits_and_no_carries():
+    """The shares live modulo 2**bits; masked modulo 2**32, the masked vectors' sum showed
+    the server the sum of the shares below 2**32 too, whose carries count, coordinate by
+    coordinate, the sites whose share is negative (review of 2026-12-07). Masked modulo
+    2**bits, every value the server sees is below 2**bits, and what its plain sum carries
+    above 2**bits changes with the masks, not with the shares."""
+    from gep_fed.federation.secure_sum import masked_vector, unmasked_sum
+
+    bits, n = 8, 2000
+    rng = np.random.default_rng(0)
+    shares = [rng.integers(0, 1 << bits, n) for _ in range(3)]
+    carries = []
+    for _ in range(2):  # the same shares under two rounds' keys
+        binding = RoundBinding(1, 1, bytes(32))
+        drawn = [advertise(Ed25519PrivateKey.generate(), binding) for _ in shares]
+        keys = [signed for _, signed in drawn]
+        masked = [
+            masked_vector(share, private, own, keys, binding, bits)
+            for share, (private, own) in zip(shares, drawn, strict=True)
+        ]
+        assert all(v.min() >= 0 and v.max() < 1 << bits for v in masked)
+        np.testing.assert_array_equal(unmasked_sum(masked, bits), sum(shares) % (1 << bits))
+        carries.append(sum(masked)[1:] >> bits)
+    assert np.mean(carries[0] == carries[1]) < 0.6  # 3 uniform values: 3 carry counts
+
+
 def test_a_peers_file_is_read_with_every_problem_named(tmp_path):
     key = create_site_key(tmp_path / "a.pem")
     with pytest.raises(ConfigError, match="never overwritten"):

@@ -192,7 +192,8 @@ class SiteGrid:
         if release.sums is not None:
             records = {wire.CLIPPED_SUMS: Arrays(wire.encode_sums(release.sums))}
         elif release.share is not None:
-            masked = masked_vector(release.share, private, own, keys, binding)
+            bits = rc.privacy.quantization_bits
+            masked = masked_vector(release.share, private, own, keys, binding, bits)
             records = {MASKED_SHARE: Arrays({MASKED_SHARE: masked.astype(np.uint32)})}
         else:
             records = {wire.MODEL_DELTA: Arrays(wire.encode_delta(site.layout, release.delta))}
@@ -219,17 +220,15 @@ def deterministic_sites(monkeypatch):
         u = torch.rand(self.num_examples, generator=torch.Generator().manual_seed(seed))
         return torch.nonzero(u < rate).reshape(-1)
 
-    class Secrets:
-        @staticmethod
-        def randbits(bits):
-            return next(draws)
+    def os_uniforms(n):
+        return np.random.default_rng(next(draws)).random(n)
 
     def discrete_gaussian(values, scale):
         rng = np.random.default_rng(next(draws))
         return np.round(values + rng.normal(0, scale, np.shape(values))).astype(np.int64)
 
     monkeypatch.setattr(site_module.Site, "_sample", sample)
-    monkeypatch.setattr(distributed_noise, "secrets", Secrets)
+    monkeypatch.setattr(distributed_noise, "os_uniforms", os_uniforms)
     monkeypatch.setattr(distributed_noise, "discrete_gaussian", discrete_gaussian)
 
     def reset():

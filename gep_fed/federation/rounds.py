@@ -276,12 +276,11 @@ class SecureSumRound:
         if len({v.shape for v in shares.values()}) != 1:
             self.failures.append("the sites' masked shares differ in length: round abandoned")
             return None
-        total = unmasked_sum([shares[n] for n in sorted(shares)])
+        total = unmasked_sum([shares[n] for n in sorted(shares)], self.bits)
         if total is None:
             self.failures.append("the masks did not cancel (the sites' lists differ): abandoned")
             return None
-        # 2**bits divides 2**32, so the sum modulo 2**32 reduces to the sum modulo 2**bits
-        return total % (1 << self.bits)
+        return total
 
     def _answered(self, node: int, reply: Reply | None, stage: str) -> str | None:
         """Why a stage's reply is unusable (None: it has the stage's record)."""

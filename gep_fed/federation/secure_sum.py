@@ -23,10 +23,13 @@ One round, for site ``i`` of the listed sites ``L``:
    max-colluding-sites``. Then for each other site ``j`` it derives ``k_ij =
    HKDF-SHA256(X25519(a_i, A_j), info = PROTOCOL, run, round, settings, the two agreement keys
    in order)`` and the mask ``m_ij = ChaCha20(k_ij)``'s
-   keystream as 32-bit words, and sends ``y_i = x_i + 1 e_0 + sum_j s_ij m_ij (mod 2**32)``
+   keystream as 32-bit words, and sends ``y_i = x_i + 1 e_0 + sum_j s_ij m_ij (mod 2**b)``
+   (``b``: the shares' own bits, at most 32)
    with ``s_ij = +1`` when ``A_i < A_j``, else ``-1``. Its agreement key is then erased.
 3. the server adds the ``y_i``: the masks cancel, coordinate 0 counts the sites (a check
-   that every site used the same list), the rest is the sum of the shares modulo ``2**32``.
+   that every site used the same list), the rest is the sum of the shares modulo ``2**b``
+   (modulo more, its carries would count the sites whose share is negative, coordinate by
+   coordinate).
 
 Why a deviating server learns no share: the masks between two honest sites are unknown to
 it (it holds neither agreement key), so a sum it can unmask that holds ``x_i`` holds every
@@ -296,10 +299,16 @@ def masked_vector(
     own: SignedKey,
     keys: Sequence[SignedKey],
     binding: RoundBinding,
+    bits: int,
 ) -> np.ndarray:
     """The site's share (non-negative integers) with a count of one in front, masked by one
-    pairwise mask per other listed site, modulo ``2**32`` (int64)."""
-    values = np.concatenate([[1], np.asarray(share, dtype=np.int64)]) % MODULUS
+    pairwise mask per other listed site, modulo ``2**bits`` (int64; ``bits`` <= 32, the
+    shares' own modulus: a sum taken modulo more would show the server its carries, i.e.
+    how many sites' shares are negative at each coordinate)."""
+    if not 1 <= bits <= MODULUS_BITS:
+        raise ValueError(f"bits must be in [1, {MODULUS_BITS}], got {bits}")
+    modulus = 1 << bits
+    values = np.concatenate([[1], np.asarray(share, dtype=np.int64)]) % modulus
     for key in keys:
         if key.agreement_key == own.agreement_key:
             continue
@@ -308,21 +317,23 @@ def masked_vector(
             values.size,
         )
         values = values + mask if own.agreement_key < key.agreement_key else values - mask
-        values %= MODULUS
+        values %= modulus  # 2**bits divides 2**32: the reduced masks stay uniform
     return values
 
 
 # -- the server ---------------------------------------------------------------------------
 
 
-def unmasked_sum(vectors: Sequence[np.ndarray]) -> np.ndarray | None:
-    """The sum of the sites' shares from their masked vectors (all of them: a missing one
-    leaves masks in), or None when the count coordinate shows that the masks did not cancel
-    (the sites did not mask for the same list)."""
+def unmasked_sum(vectors: Sequence[np.ndarray], bits: int) -> np.ndarray | None:
+    """The sum of the sites' shares modulo ``2**bits`` from their vectors masked modulo
+    ``2**bits`` (all of them: a missing one leaves masks in), or None when the count
+    coordinate shows that the masks did not cancel (the sites did not mask for the same
+    list)."""
+    modulus = 1 << bits
     total = np.zeros_like(vectors[0])
     for v in vectors:
-        total = (total + v) % MODULUS
-    if int(total[0]) != len(vectors):
+        total = (total + v) % modulus
+    if int(total[0]) != len(vectors) % modulus:
         return None
     return total[1:]
 

@@ -360,7 +360,8 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
     elif release.share is not None:
         private, own, keys, binding = agreement
-        masked = masked_vector(release.share, private, own, keys, binding)
+        bits = rc.privacy.quantization_bits
+        masked = masked_vector(release.share, private, own, keys, binding, bits)
         payload = {MASKED_SHARE: _arrays({MASKED_SHARE: masked.astype(np.uint32)})}
     else:
         delta = wire.encode_delta(site.layout, release.delta)
