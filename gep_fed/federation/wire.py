@@ -45,7 +45,8 @@ from gep_fed.validation import (
 # 5: the round config carries last_round (a site refuses a run it cannot finish).
 # 6: the round config carries scored (a site plans the score it will be asked for).
 # 7: the round config carries selection (a random number of trials, recorded by the site).
-# 8: a distributed round's keys are signed over the digest of its settings (secure sum v2).
+# 8: a distributed round's keys are signed over the digest of its settings, and its vectors
+#    are masked modulo the shares' own 2**bits (secure sum v2).
 PROTOCOL_VERSION = 8
 
 # Record names in a message's RecordDict.
