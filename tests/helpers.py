@@ -161,7 +161,7 @@ class LocalGrid(InProcessGrid):
         self.received, self.sent, self.stages = [], [], []
 
     def _answer(self, msg, node):
-        from gep_fed.flower.secure_sum import SECURE_SUM
+        from gep_fed.federation.secure_sum import SECURE_SUM
 
         stage = msg.content.config_records.get(SECURE_SUM, {}).get("stage")
         rnd = int(msg.metadata.group_id or 0)

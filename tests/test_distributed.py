@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from gep_fed.accounting.events import epsilon_pld, epsilon_rdp
@@ -27,7 +27,11 @@ from gep_fed.accounting.ledger import PrivacyLedger
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.secure_sum import (
+    ADVERTISE,
+    COLLECT,
+    MASKED_SHARE,
     MODULUS,
+    SECURE_SUM,
     PinnedPeers,
     RoundBinding,
     SignedKey,
@@ -36,17 +40,11 @@ from gep_fed.federation.secure_sum import (
     key_text,
     mask_stream,
     pairwise_key,
+    read_keys,
+    read_masked_share,
+    stage_config,
 )
 from gep_fed.federation.server import FederationServer
-from gep_fed.flower.secure_sum import (
-    ADVERTISE,
-    COLLECT,
-    MASKED_SHARE,
-    SECURE_SUM,
-    masked_share,
-    read_keys,
-    stage_record,
-)
 from gep_fed.flower.simulation import simulated_site_settings
 from gep_fed.flower.strategy import GEPStrategy
 from gep_fed.mechanisms.distributed_noise import DistributedNoise, padded_dimension
@@ -222,7 +220,9 @@ def tamper_keys(victim: int, change):
             rc = wire.RoundConfig.from_record(content.config_records[wire.ROUND_CONFIG])
             binding = RoundBinding(TaskIdentity.run_id, rc.round, rc.digest())
             keys = change(read_keys(record), binding)
-            content.config_records[SECURE_SUM] = stage_record(COLLECT, record["round"], keys)
+            content.config_records[SECURE_SUM] = ConfigRecord(
+                stage_config(COLLECT, record["round"], keys)
+            )
 
     return tamper
 
@@ -297,7 +297,7 @@ def test_n3_no_message_makes_a_site_reveal_a_secret_or_mask_twice(tmp_path, monk
     context = grid.contexts[100]
     assert "secure-sum-agreement" not in context.state.config_records
     unmask = Message(
-        content=RecordDict({SECURE_SUM: stage_record("unmask", 1)}),
+        content=RecordDict({SECURE_SUM: ConfigRecord(stage_config("unmask", 1))}),
         dst_node_id=100,
         message_type=MessageType.TRAIN,
     )
@@ -486,7 +486,7 @@ def test_a_malformed_masked_share_is_refused_by_name(value, why):
     content = RecordDict({MASKED_SHARE: ArrayRecord({MASKED_SHARE: Array(value)})})
     reply = Message(content=content, dst_node_id=1, message_type=MessageType.TRAIN)
     with pytest.raises(ValueError, match=why):
-        masked_share(reply)
+        read_masked_share(reply.content.array_records.get(MASKED_SHARE))
 
 
 def test_distributed_settings_are_checked_when_the_run_is_configured():

@@ -342,7 +342,7 @@ def _u64(value: int) -> bytes:
     return int(value).to_bytes(8, "big", signed=False)
 
 
-# -- the stages' records (Flower-free: gep_fed.flower.secure_sum builds Flower's) -------------
+# -- the stages' records (plain dicts: Flower's ConfigRecord wraps them) -----------------------
 
 SECURE_SUM = "secure-sum"  # the config record of a secure-sum stage (and of its reply)
 MASKED_SHARE = "masked-share"  # the collect stage's array record

@@ -47,25 +47,23 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.policy import SiteConfig, simulated_site_name
 from gep_fed.federation.rundir import SITE_ROUNDS
 from gep_fed.federation.secure_sum import (
+    ADVERTISE,
+    COLLECT,
+    MASKED_SHARE,
+    SECURE_SUM,
     RoundBinding,
     SecureSumRefused,
     SignedKey,
     advertise,
     check_keys,
     masked_vector,
+    read_keys,
     read_settings,
 )
 from gep_fed.federation.site import Site, resolve_device, site_data_parts
 from gep_fed.federation.site_score import new_coins_key
 from gep_fed.federation.site_selection import trial_ledger
 from gep_fed.federation.tuning import run_settings
-from gep_fed.flower.secure_sum import (
-    ADVERTISE,
-    COLLECT,
-    MASKED_SHARE,
-    SECURE_SUM,
-    read_keys,
-)
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import ConfigError
 
