@@ -513,12 +513,6 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".gif", ".webp", ".dcm")
 
 
-def _unread_images(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
-    """The image files under ``folder`` that ``extensions`` leave out."""
-    other = tuple(e for e in IMAGE_SUFFIXES if e not in extensions)
-    return _files(folder, other)
-
-
 class _FolderDataset(ImageDataset):
     """One sub-folder of ``root`` per class (searched recursively), labels from folder names.
 
@@ -574,10 +568,16 @@ class _FolderDataset(ImageDataset):
         # A site may lack a class (no cases of a rare one): its folder may be missing or
         # empty. The labels keep the declared numbering, so the site agrees with its peers.
         self.missing_classes: list[str] = []
-        unread = {
-            name: _unread_images(self.root / name, extensions)
-            for name in self.classes
+        # each class folder walked once: the files read, and images of other formats
+        listed = {
+            name: _files(self.root / name, (*extensions, *IMAGE_SUFFIXES))
             if (self.root / name).is_dir()
+            else []
+            for name in self.classes
+        }
+        unread = {
+            name: [p for p in files if p.suffix.lower() not in extensions]
+            for name, files in listed.items()
         }
         unread = {name: files for name, files in unread.items() if files}
         if unread:  # left out, they would shrink a class unseen
@@ -590,8 +590,7 @@ class _FolderDataset(ImageDataset):
                 f"only): {found}: convert them, or move them out of the data folder"
             )
         for label, name in enumerate(self.classes):
-            folder = self.root / name
-            found = _files(folder, extensions) if folder.is_dir() else []
+            found = [p for p in listed[name] if p.suffix.lower() in extensions]
             if not found:
                 self.missing_classes.append(name)
             self.files += found

@@ -433,12 +433,13 @@ def _checked_keys(
         keys = read_keys(record)
     except ValueError:
         raise wire.RoundRefused("malformed round") from None
-    if held.get("settings") != rc.digest():  # other settings than those it signed
+    settings = rc.digest()
+    if held.get("settings") != settings:  # other settings than those it signed
         raise wire.RoundRefused("malformed round")
     signed = held["signed"]
     own = SignedKey(signed[:32], signed[32:64], signed[64:])
     cfg = _SITES[(context.run_id, context.node_id, served.trial)][1]
-    binding = RoundBinding(msg.metadata.run_id, rc.round, rc.digest())
+    binding = RoundBinding(msg.metadata.run_id, rc.round, settings)
     check_keys(keys, own, cfg.pinned_peers(), binding, site.policy.sites_needed())
     return held["private"], own, keys, binding
 

@@ -67,6 +67,9 @@ class SimulationResult:
         return lines
 
 
+NO_USABLE = "no usable example"  # a site none of whose first examples can be read
+
+
 def _site_check_text(bad: Mapping[str, list[str]], dropped: bool = False, shown: int = 10) -> str:
     lines = [
         "the simulated sites' data loses these examples (--drop-bad-examples):"
@@ -82,7 +85,6 @@ def _site_check_text(bad: Mapping[str, list[str]], dropped: bool = False, shown:
 
 
 log = logging.getLogger("gep_fed.simulation")
-NO_USABLE = "no usable example"  # a site none of whose first examples can be read
 
 # Where the simulated sites run: Flower's Simulation Engine, or this process (in_process).
 ENGINES = ("ray", "in-process")
