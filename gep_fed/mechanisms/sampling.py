@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
+from gep_fed.mechanisms.secret_stream import SecretStream
+
 
 class PoissonSampler:
     """Yields, per step, the indices of a Poisson sample of ``range(num_examples)``.
@@ -22,7 +24,8 @@ class PoissonSampler:
         sample_rate: q in (0, 1], each example's chance to be in a batch.
         steps: batches per pass (default: ``round(1 / q)``, one epoch in expectation).
         generator: randomness of the sampling. The accounting assumes it is secret: leave it
-            None in real runs (seeded from the OS); pass one only in tests and benchmarks.
+            None in real runs (a ``SecretStream`` keyed by the OS); pass a seeded
+            ``torch.Generator`` only in tests and benchmarks.
     """
 
     def __init__(
@@ -41,16 +44,18 @@ class PoissonSampler:
         self.steps = steps if steps is not None else max(1, round(1 / sample_rate))
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if generator is None:
-            generator = torch.Generator()
-            generator.seed()  # non-deterministic seed from the OS
         self.generator = generator
+        # not PyTorch's generator: it keeps 32 bits of its seed, few enough to search
+        self._secret = SecretStream.from_os() if generator is None else None
 
     def sample(self) -> torch.Tensor:
         """One batch: a sorted ``int64`` tensor of indices, possibly empty."""
         # float64 uniforms: float32 ones are multiples of 2^-24, which would include each
         # example with probability ceil(q 2^24) / 2^24 >= q, above the accounted rate.
-        u = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64)
+        if self._secret is not None:
+            u = torch.from_numpy(self._secret.uniforms(self.num_examples))
+        else:
+            u = torch.rand(self.num_examples, generator=self.generator, dtype=torch.float64)
         mask = u < self.sample_rate
         return mask.nonzero().flatten()
 
