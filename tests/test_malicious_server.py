@@ -515,6 +515,40 @@ def test_a_site_that_opted_into_central_mode_records_it_as_trusted_server_noise(
     assert event.placement == "trusted-server" and event.party == "h1"
 
 
+def selection_round(server, search: str, steps: int, state=None) -> Message:
+    """A central round of a private selection whose trials are bounded by ``steps`` rounds."""
+    from gep_fed.accounting.events import PrivacyEvent, Selection
+
+    event = PrivacyEvent.gaussian(
+        "gep", 3.0, 0.1, steps, 3.0 / math.sqrt(2), placement="trusted-server"
+    )
+    event = replace(event, selection=Selection(2.0, 1.0))
+    terms = wire.SelectionTerms(search, 1, event).to_json()
+    return round_message(server, 1, rc_changes={"selection": terms}, state=state)
+
+
+@pytest.mark.parametrize("fault", ["nan weights", "plan above the trial's bound"])
+def test_a_selection_round_refused_after_its_terms_are_read_spends_nothing(
+    tmp_path, digits, hospital, fault
+):
+    """The site records a selection when its trial first releases: a round refused later
+    (a malformed model; more rounds planned than one trial may hold) leaves the ledger as it
+    was, where it had charged the whole selection with nothing released."""
+    server = make_server(tmp_path, digits, mode="central", rounds=5, local_steps=1)
+    opted = {**hospital, "accept-modes": "client,central", "max-selection-mean": 2.0}
+    state = {k: v.copy() for k, v in server.plan_round(1).state.items()}
+    if fault == "nan weights":
+        next(iter(state.values())).flat[0] = np.nan
+    steps = 5 if fault == "nan weights" else 1  # the run plans 5 rounds of 1 step each
+    reply, _ = answer(selection_round(server, "a" * 32, steps, state), opted, server.cfg)
+    reason = "malformed round" if fault == "nan weights" else "over budget"
+    assert refused(reply, reason) and site_ledger(hospital).events == ()
+    reply, _ = answer(selection_round(server, "b" * 32, 5), opted, server.cfg)
+    assert not reply.has_error()  # a well-formed one: the selection recorded once, then it
+    (event,) = site_ledger(hospital).events
+    assert event.selection is not None
+
+
 # -- issue 19: what the site runs and checks ---------------------------------------------------
 
 

@@ -248,7 +248,7 @@ def test_flwr_run_of_a_search_runs_its_trials_over_the_runs_grid(tmp_path, capsy
     record = search_run_config(candidates_file(tmp_path), runs)
     run_in_process(make_flwr_server_app(), make_client_app(), 2, run_config=record)
     printed = capsys.readouterr().out
-    assert "chosen: trial" in printed and f"tuning directory: {runs / 'search'}" in printed
+    assert "chosen: candidate" in printed and f"tuning directory: {runs / 'search'}" in printed
     saved = json.loads((runs / "search" / "tune.json").read_text())
     assert [t["status"] for t in saved["trials"]] == ["finished", "finished"]
     config = search_of_run_config(record, 1)
@@ -268,10 +268,11 @@ def random_search_run_config(tmp_path: Path) -> dict:
 
 
 def central_sites():
-    """The ClientApp of simulated sites that accept central mode (their node configs')."""
+    """The ClientApp of simulated sites that accept central mode and selections of up to 2
+    trials on average (their node configs')."""
     from gep_fed.flower import make_client_app
 
-    return make_client_app(simulation={"accept-modes": "central"})
+    return make_client_app(simulation={"accept-modes": "central", "max-selection-mean": 2.0})
 
 
 def test_flwr_run_and_the_command_line_declare_the_same_random_search(tmp_path):

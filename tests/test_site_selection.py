@@ -20,7 +20,7 @@ from gep_fed.accounting.ledger import (
 )
 from gep_fed.federation import wire
 from gep_fed.federation.modes import MODE_NAMES
-from gep_fed.federation.policy import SitePolicy
+from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.site_score import score_event
 from gep_fed.federation.site_selection import selection_folder, trial_ledger
 from gep_fed.federation.wire import RoundRefused, SelectionTerms
@@ -50,21 +50,44 @@ def site_ledger(tmp_path, budget: float = 8.0) -> PrivacyLedger:
 def test_a_site_records_a_searchs_selection_once_and_each_trial_in_a_ledger_of_its_own(tmp_path):
     main, event = site_ledger(tmp_path), selection()
     first = trial_ledger(main, SelectionTerms(SEARCH, 1, event))
+    first.record(one_step())
     second = trial_ledger(PrivacyLedger.load_keyed(main.path), SelectionTerms(SEARCH, 2, event))
+    second.record(one_step())
     reloaded = PrivacyLedger.load_keyed(main.path)
     (recorded,) = reloaded.events
     assert recorded == replace(event, party="site-0")
     assert reloaded.epsilon() == pytest.approx(epsilon_rdp([event], 1e-5))
-    assert first.path != second.path and first.events == second.events == ()
+    assert first.path != second.path and first.events == second.events == (one_step(),)
     assert first.path.parent == selection_folder(main.path, SEARCH)
     assert first.key == main.key  # under the site's own key, each with a mark of its own
-    trial_ledger(reloaded, SelectionTerms("f" * 32, 1, event))  # another search: another one
+    other = trial_ledger(reloaded, SelectionTerms("f" * 32, 1, event))  # another search
+    other.record(one_step())
     assert len(PrivacyLedger.load_keyed(main.path).events) == 2
+
+
+def test_a_trial_that_never_releases_spends_nothing_of_the_sites_budget(tmp_path):
+    """A round refused after its trial's ledger was opened (a malformed model, a plan above
+    the trial's bound) records no selection: the selection is charged at the first release."""
+    main = site_ledger(tmp_path)
+    trial = trial_ledger(main, SelectionTerms(SEARCH, 1, selection(steps=4)))
+    with pytest.raises(BudgetExceededError, match="above the curve"):
+        trial.check_budget([one_step()] * 5)  # the site's budget check of a 5-round plan
+    assert PrivacyLedger.load_keyed(main.path).events == () and main.events == ()
+    trial.record(one_step())
+    assert len(PrivacyLedger.load_keyed(main.path).events) == 1
+
+
+def test_a_site_refuses_a_poisson_number_of_trials(tmp_path):
+    """Theorem 6 bounds a Poisson K where K = 0 is possible and unpublished; the sites only
+    ever see searches with at least one trial."""
+    event = replace(selection(), selection=Selection(1.0, math.inf))
+    with pytest.raises(RoundRefused, match="malformed round"):
+        trial_ledger(site_ledger(tmp_path), SelectionTerms(SEARCH, 1, event))
 
 
 def test_a_search_whose_terms_change_under_its_id_is_refused_and_records_nothing(tmp_path):
     main = site_ledger(tmp_path)
-    trial_ledger(main, SelectionTerms(SEARCH, 1, selection(steps=4)))
+    trial_ledger(main, SelectionTerms(SEARCH, 1, selection(steps=4))).record(one_step())
     with pytest.raises(RoundRefused, match="malformed round"):
         trial_ledger(main, SelectionTerms(SEARCH, 2, selection(steps=40)))
     assert len(PrivacyLedger.load_keyed(main.path).events) == 1
@@ -113,7 +136,11 @@ def test_a_site_takes_part_in_a_selection_in_central_mode_only(mode, refused):
     rc = replace(rc, selection=SelectionTerms(SEARCH, 1, selection()).to_json())
     assert wire.RoundConfig.from_record(rc.to_record()) == rc
     policy = SitePolicy(
-        epsilon_budget=8.0, delta=1e-5, accepted_modes=(*MODE_NAMES,), noise_shares=2
+        epsilon_budget=8.0,
+        delta=1e-5,
+        accepted_modes=(*MODE_NAMES,),
+        noise_shares=2,
+        max_selection_mean=2.0,
     )
     if refused:
         with pytest.raises(RoundRefused, match="mode not allowed"):
@@ -121,6 +148,21 @@ def test_a_site_takes_part_in_a_selection_in_central_mode_only(mode, refused):
     else:
         policy.admit(rc, None)
         policy.admit(replace(rc, mode="client", selection=""), None)  # client, no selection
+
+
+@pytest.mark.parametrize("max_mean", [None, 0.0, 1.5])
+def test_a_site_takes_part_only_in_selections_it_opted_in_to(max_mean):
+    """The selection's bound trusts the server to draw the number of trials from the declared
+    law (here of mean 2): a site opts in with its own max-selection-mean (default 0: none)."""
+    rc = replace(round_config(), mode="central")
+    rc = replace(rc, selection=SelectionTerms(SEARCH, 1, selection()).to_json())
+    node = {"partition-id": 0, "num-partitions": 1, "accept-modes": "client,central"}
+    if max_mean is not None:
+        node["max-selection-mean"] = max_mean
+    policy = SiteConfig.from_node_config(node, None, "/tmp/run").policy
+    with pytest.raises(RoundRefused, match="mode not allowed"):
+        policy.admit(rc, None)
+    policy.admit(replace(rc, selection=""), None)  # the same round, outside a selection
 
 
 def test_ledger_show_names_the_selection_and_where_its_trials_ledgers_are(tmp_path, capsys):

@@ -471,7 +471,7 @@ def test_the_command_line_tunes_from_a_candidates_file(tmp_path, monkeypatch, ca
     assert main([*args, str(out)]) == 0
     printed = capsys.readouterr().out
     assert "trial 1/2: candidate 1 (server-lr=1)" in printed
-    assert "chosen: trial 2, candidate 2 (server-lr=3)" in printed
+    assert "chosen: candidate 2 (server-lr=3)" in printed and "; trial 2\n" in printed
     assert f"report:           {out / 'tune.md'}" in printed
     assert [c[0].server_lr for c in calls] == [1.0, 3.0]  # ints read as the float fields
     # a bad candidate names its index; a failure is one line and a non-zero exit
@@ -733,6 +733,11 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
     assert "a random number of trials (logarithmic, mean 2) of 2 candidate(s)" in printed
     # (no site ran here: the summary gives the planned figure, and says so)
     assert "each site's own ledger records the selection, what the trusted server" in printed
+    # the chosen trial's number tells K >= it, which the bound does not cover
+    assert "; trial 1 (OUTSIDE THE GUARANTEE if published)" in printed or (
+        "; trial 2 (OUTSIDE THE GUARANTEE if published)" in printed
+    )
+    assert "chosen: trial" not in printed
     assert main([*args, "--mode", "client", "--out", str(tmp_path / "t2")]) == 2
     assert "in client mode the server sees every trial" in capsys.readouterr().err
     assert main([*args[:-4], "--random-trials", "0.5", "--out", str(tmp_path / "t3")]) == 2

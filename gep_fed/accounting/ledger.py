@@ -25,7 +25,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +95,7 @@ class PrivacyLedger:
         self.mark_path = None if mark_path is None else Path(mark_path)
         self._events: list[PrivacyEvent] = list(events)
         self._ceiling: np.ndarray | None = None  # bound_by's RDP curve
+        self._before_first_record: Callable[[], None] | None = None
         # Digest of the file as this object last read or wrote it: a save over a file that
         # another process changed since then would lose that process's releases.
         self._disk_digest: str | None = None
@@ -121,12 +122,17 @@ class PrivacyLedger:
         """The RDP epsilon if ``new_events`` were recorded too."""
         return epsilon_rdp([*self._events, *new_events], self.delta)
 
-    def bound_by(self, ceiling: np.ndarray) -> PrivacyLedger:
+    def bound_by(
+        self, ceiling: np.ndarray, before_first_record: Callable[[], None] | None = None
+    ) -> PrivacyLedger:
         """From now on, refuse releases that would bring this ledger's RDP curve above
         ``ceiling`` (at ``RDP_ORDERS``) at any order, besides the budget: one trial of a
         private selection, which the selection was accounted for as at most that curve.
-        Returns the ledger."""
+        ``before_first_record`` runs once, when a release first passes those checks and
+        before it is recorded (the selection charged only once a trial releases). Returns
+        the ledger."""
         self._ceiling = np.asarray(ceiling, dtype=float)
+        self._before_first_record = before_first_record
         return self
 
     def check_budget(self, new_events: Sequence[PrivacyEvent]) -> None:
@@ -157,6 +163,9 @@ class PrivacyLedger:
         """Check the budget, append ``events``, and save if the ledger has a path (unless
         ``save=False``: the caller then saves it, e.g. right after a checkpoint)."""
         self.check_budget(events)
+        if self._before_first_record is not None:
+            self._before_first_record()
+            self._before_first_record = None
         self._events.extend(events)
         if save and self.path is not None:
             self.save()

@@ -107,6 +107,10 @@ NODE_CONFIG_KEYS = {
     "(gep-fed tune --site-validation); 0: none",
     "score-noise": "the std of the Gaussian noise this site adds to each count of a score "
     "(one release per query, in its ledger); without it the site releases no score",
+    "max-selection-mean": "the largest mean number of trials of a private selection (gep-fed "
+    "tune --random-trials, central mode) this site takes part in; its bound trusts the server "
+    "to draw the number secretly from the declared law and to publish only the best trial "
+    "(default 0: none)",
 }
 # Keys only a simulated site's settings may hold (a deployed site's noise is never seeded).
 SIMULATION_KEYS = {
@@ -153,6 +157,10 @@ class SitePolicy:
         score_noise: the std of the Gaussian noise the site adds to each count of a score
             of a model on its held-out examples (``gep_fed.federation.site_score``); None:
             the site releases no score.
+        max_selection_mean: the largest mean number of trials of a private selection the
+            site takes part in (central mode only). Its ledger records the selection's bound,
+            which holds only if the server draws the number of trials from the declared law
+            and publishes only the best trial: an opt-in, like central mode. 0: none.
     """
 
     epsilon_budget: float | None
@@ -168,6 +176,7 @@ class SitePolicy:
     max_rebuild_work: int = DEFAULT_MAX_REBUILD_WORK
     max_rebuild_mib: int = DEFAULT_MAX_REBUILD_MIB
     score_noise: float | None = None
+    max_selection_mean: float = 0.0
 
     def __post_init__(self) -> None:
         if self.epsilon_budget is None and not self.allow_no_noise:
@@ -204,6 +213,10 @@ class SitePolicy:
             math.isfinite(self.score_noise) and self.score_noise > 0
         ):
             raise ConfigError(f"score-noise must be a std > 0, got {self.score_noise}")
+        if not (math.isfinite(self.max_selection_mean) and self.max_selection_mean >= 0):
+            raise ConfigError(
+                f"max-selection-mean must be a number >= 0, got {self.max_selection_mean}"
+            )
 
     def admit_rebuild(self, cost: RebuildCost) -> None:
         """Refuse ("over compute limit") a basis rebuild that costs more work or memory than
@@ -228,9 +241,13 @@ class SitePolicy:
             raise RoundRefused("mode not allowed")
         if last_round is not None and rc.round <= last_round:
             raise RoundRefused("replayed round")
-        if rc.selection and rc.noise_mode.site_placement != "trusted-server":
-            # a selection's bound covers only what a trusted server publishes; elsewhere the
-            # server sees every trial's releases
+        if rc.selection and (
+            rc.noise_mode.site_placement != "trusted-server"
+            # (a law fitted to a requested mean may exceed it by a rounding error)
+            or rc.selection_terms.event.selection.mean > self.max_selection_mean * (1 + 1e-6)
+        ):
+            # a selection's bound covers only what a trusted server publishes (elsewhere the
+            # server sees every trial's releases), and only for a site that opted in to it
             raise RoundRefused("mode not allowed")
         noise_free = rc.privacy.noise_multiplier == 0 and not rc.privacy.is_langevin
         if noise_free and not self.allow_no_noise:
@@ -369,6 +386,7 @@ class SiteConfig:
             max_rebuild_work=get.integer("max-rebuild-work", DEFAULT_MAX_REBUILD_WORK),
             max_rebuild_mib=get.integer("max-rebuild-mib", DEFAULT_MAX_REBUILD_MIB),
             score_noise=get.number("score-noise"),
+            max_selection_mean=get.number("max-selection-mean") or 0.0,
         )
         device = get.text("device") or "auto"
         if device not in DEVICES:

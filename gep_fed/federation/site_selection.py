@@ -1,13 +1,14 @@
 """A site's side of a private selection with a random number of trials (central mode).
 
 Papernot & Steinke's bound (ICLR 2022) covers what the trusted server publishes: the best of
-K trials, K drawn secretly from the declared law. A site that receives a search's round
-records that bound once per search, as one event in its own ledger and against its own
-budget (a site that cannot hold it refuses the first round it sees, before anything else is
-spent), and keeps each trial's rounds in a ledger of the trial's own, where every release
-must stay under the selection's bound of one trial at every RDP order (a trial that would
-release more is refused). In central mode the server sees every trial's clipped sums: the
-figure holds only where the site trusts it, as central mode's noise already does
+K trials, K drawn secretly from the declared law. A site that opted in (``max-selection-mean``)
+and receives a search's round records that bound once per search, as one event in its own
+ledger and against its own budget: a site that cannot hold it refuses the first round it sees,
+and a round refused for any reason spends nothing (the selection is recorded when a trial
+first releases). It keeps each trial's rounds in a ledger of the trial's own, where every
+release must stay under the selection's bound of one trial at every RDP order (a trial that
+would release more is refused). In central mode the server sees every trial's clipped sums:
+the figure holds only where the site trusts it, as central mode's noise already does
 (``Mode.refusal`` refuses a selection in any other mode).
 
 On disk, beside the site's ledger ``L``: ``L.selections/<search>/selection.json`` (the event
@@ -18,7 +19,9 @@ site's key, with its own high-water mark).
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,28 +46,41 @@ def trial_run_curve(event: PrivacyEvent):
 
 
 def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
-    """The ledger that holds this round's trial: the selection recorded in ``main`` first
-    (once per search), then the trial's own ledger, bounded by one trial's curve.
+    """The ledger that holds this round's trial, bounded by one trial's curve. The selection
+    is recorded in ``main`` (once per search) when the trial first records a release, after
+    the round has passed every check: a round refused for any reason spends nothing.
 
     Raises:
         RoundRefused: "over budget" where ``main``'s budget cannot hold the selection;
-            "malformed round" where the search was recorded with another selection.
+            "malformed round" where the search was recorded with another selection, or its
+            number of trials is Poisson.
     """
     if main.path is None:
         raise ValueError("a private selection needs the site's ledger on disk")
+    if math.isinf(terms.event.selection.shape):
+        # Theorem 6 bounds a Poisson K with K = 0 possible and unpublished; a site is sent
+        # only searches of K >= 1 trials, which that bound does not cover
+        raise RoundRefused("malformed round")
     folder = selection_folder(main.path, terms.search)
     event = replace(terms.event, party=main.owner)
     recorded = folder / RECORDED
-    if recorded.exists():
-        if json.loads(recorded.read_text(encoding="utf-8")) != event.to_dict():
-            raise RoundRefused("malformed round")  # the search's terms changed under its id
-    else:
+
+    def record_selection(check_only: bool) -> None:
+        if recorded.exists():
+            if json.loads(recorded.read_text(encoding="utf-8")) != event.to_dict():
+                raise RoundRefused("malformed round")  # the search's terms changed under its id
+            return
         try:
+            if check_only:
+                main.check_budget([event])
+                return
             main.record(event)
         except BudgetExceededError:
             raise RoundRefused("over budget") from None
-        folder.mkdir(parents=True, exist_ok=True)
         write_bytes_atomically(recorded, json.dumps(event.to_dict(), sort_keys=True).encode())
+
+    record_selection(check_only=True)
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"trial-{terms.trial:03d}.json"
     ledger = PrivacyLedger.open(
         path,
@@ -75,4 +91,5 @@ def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
         mark_path=path.with_suffix(".mark"),
         create=True,
     )
-    return ledger.bound_by(trial_run_curve(event))
+    charge = functools.partial(record_selection, check_only=False)
+    return ledger.bound_by(trial_run_curve(event), before_first_record=charge)

@@ -556,9 +556,11 @@ def _site_settings(config: TuneConfig, sites_dir: Path) -> dict[str, object]:
     the tuning's folder, the total as their budget (a random K's trials in ledgers of their
     own beside it: ``gep_fed.federation.site_selection``)."""
     held_out = config.site_score.site_settings() if config.site_score else {}
+    law = config.random_trials  # the simulated sites opt in to the selection they run
     return {
         "epsilon-budget": config.total_epsilon,
         "delta": config.total_delta,
+        **({} if law is None else {"max-selection-mean": float(law.mean)}),
         **config.site_settings,
         "ledger-dir": str(sites_dir),
         **held_out,
@@ -761,9 +763,13 @@ def result_lines(result: TuneResult) -> list[str]:
         c = result.chosen
         test = ", ".join(f"{k} {v:.4g}" for k, v in result.test_metrics.items())
         settings = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in c.settings.items())
+        # with a random K, the trial's number tells K >= it: the server's record, uncovered
+        trial = (
+            f"trial {c.trial} ({OUTSIDE} if published)" if result.selection else f"trial {c.trial}"
+        )
         lines += [
-            f"chosen: trial {c.trial}, candidate {c.candidate} ({settings or 'the base'}), "
-            f"validation score {c.validation_score:.4f} (round {c.best_round})",
+            f"chosen: candidate {c.candidate} ({settings or 'the base'}), "
+            f"validation score {c.validation_score:.4f} (round {c.best_round}); {trial}",
             f"its test metrics (never used to choose): {test}",
             f"model: {result.model_path}",
         ]
