@@ -1,5 +1,6 @@
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -352,6 +353,24 @@ def test_the_ledger_cli_marks_a_ledger_made_before_marks_once(tmp_path, capsys):
     assert "4 step(s)" in capsys.readouterr().out
     assert main(["ledger", "show", str(ledger.path)]) == 0
     assert main(["ledger", "mark", str(ledger.path)]) == 2  # a mark is never re-made
+
+
+def test_ledger_show_says_central_steps_carry_no_guarantee_against_the_coordinator(
+    tmp_path, capsys
+):
+    """Central mode's steps are counted at the noise the coordinator declared; what the site
+    sent it was unnoised, so the figure says nothing of the coordinator itself."""
+    from gep_fed.cli.main import main
+
+    ledger = keyed_ledger(tmp_path)
+    ledger.record(GP.event(50.0, 0.1, 100))  # client-side steps: no such line
+    assert main(["ledger", "show", str(ledger.path)]) == 0
+    assert "coordinator" not in capsys.readouterr().out
+    ledger.record(replace(GP.event(50.0, 0.1, 100), placement="trusted-server"))
+    assert main(["ledger", "show", str(ledger.path)]) == 0
+    shown = capsys.readouterr().out
+    assert "100 step(s) sent unnoised to a trusted coordinator (central mode)" in shown
+    assert "against the coordinator itself they carry no guarantee" in shown
 
 
 @pytest.mark.parametrize("delta", ["1", "-1", "nan"])

@@ -87,6 +87,13 @@ def _ledger_show(args: argparse.Namespace) -> int:
         f"  epsilon {ledger.epsilon():.4f} (RDP), {pld_text(ledger.epsilon('pld'))} at "
         f"delta={ledger.delta:g}"
     )
+    trusted = [e for e in ledger.events if e.placement == "trusted-server"]
+    if trusted:  # the figure above counts them at the noise the coordinator declared
+        print(
+            f"  {sum(e.steps for e in trusted)} step(s) sent unnoised to a trusted coordinator "
+            "(central mode): counted above at the noise it declared it would add; against "
+            "the coordinator itself they carry no guarantee"
+        )
     distributed = [e for e in ledger.events if e.is_distributed]
     if distributed:
         colluders = max(e.max_colluding_sites for e in distributed)
