@@ -492,6 +492,36 @@ def test_a_replayed_or_backwards_round_is_refused(tmp_path, digits, hospital, se
     assert site_ledger(hospital).steps == 2  # the first round only
 
 
+@pytest.mark.parametrize("mechanism", ["gp", "gep"])
+def test_a_model_with_non_finite_outputs_gets_the_same_reply_whether_or_not_its_sample_was_empty(
+    tmp_path, digits, hospital, mechanism
+):
+    """Finite weights of 3e38 make every output inf or NaN. Whether the site's Poisson sample
+    was empty must not decide the reply's kind (an error was one bit about the data, before):
+    every example gets clip factor 0, and the reply is the noised release either way."""
+    kinds = []
+    for q in (1e-6, 0.5):
+        node = {**hospital, "ledger-path": str(tmp_path / f"{q}.json"), "new-ledger": True}
+        server = make_server(
+            tmp_path / str(q),
+            digits,
+            mechanism=mechanism,
+            sample_rate=q,
+            rounds=1,
+            local_steps=1,
+            noise_multiplier=10.0,
+        )
+        state = {k: v.copy() for k, v in server.plan_round(1).state.items()}
+        state["out.weight"][:] = 3e38
+        state["out.bias"][:] = -3e38
+        reply, _ = answer(round_message(server, 1, state=state), node, server.cfg)
+        assert_data_free(reply)
+        kinds.append(reply.error.reason if reply.has_error() else "release")
+        if not reply.has_error():
+            assert torch.isfinite(delta_of(reply)).all()
+    assert kinds == ["release", "release"]
+
+
 def test_a_model_with_nan_weights_is_refused(tmp_path, digits, hospital):
     server = make_server(tmp_path, digits)
     plan = server.plan_round(1)
