@@ -5,6 +5,7 @@ own, under the selection's bound of one trial at every RDP order."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -74,6 +75,26 @@ def test_a_trial_that_never_releases_spends_nothing_of_the_sites_budget(tmp_path
         trial.check_budget([one_step()] * 5)  # the site's budget check of a 5-round plan
     assert PrivacyLedger.load_keyed(main.path).events == () and main.events == ()
     trial.record(one_step())
+    assert len(PrivacyLedger.load_keyed(main.path).events) == 1
+
+
+def test_a_hand_written_selection_record_is_refused_and_cannot_skip_the_charge(tmp_path):
+    """Whether a search was charged is decided by its record beside the ledger; written
+    without the ledger's key, it stops the site (named) rather than leave the ledger empty."""
+    from gep_fed.accounting.ledger import LedgerError
+
+    main, event = site_ledger(tmp_path), selection()
+    folder = selection_folder(main.path, SEARCH)
+    folder.mkdir(parents=True)
+    forged = folder / "selection.json"
+    forged.write_text(
+        json.dumps({"search": SEARCH, "event": replace(event, party="site-0").to_dict()})
+    )
+    with pytest.raises(LedgerError, match="selection.json fails its HMAC check"):
+        trial_ledger(main, SelectionTerms(SEARCH, 1, event)).record(one_step())
+    assert PrivacyLedger.load_keyed(main.path).events == ()  # nothing released either
+    forged.unlink()  # without the record, the trial's first release charges it
+    trial_ledger(main, SelectionTerms(SEARCH, 1, event)).record(one_step())
     assert len(PrivacyLedger.load_keyed(main.path).events) == 1
 
 

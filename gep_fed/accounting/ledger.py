@@ -485,6 +485,35 @@ def _mac(key: bytes, body: dict, domain: bytes = b"") -> str:
     return hmac.new(key, domain + _canonical(body), hashlib.sha256).hexdigest()
 
 
+def keyed_record(key: bytes | None, body: dict, domain: bytes) -> bytes:
+    """``body`` as JSON, with its HMAC under the ledger's ``key`` where there is one: a small
+    record kept beside a ledger that decides what the ledger records (``domain`` names its
+    kind, so no record can pass for another)."""
+    signed = dict(body) if key is None else {**body, "hmac-sha256": _mac(key, body, domain)}
+    return _canonical(signed)
+
+
+def read_keyed_record(path: Path, key: bytes | None, domain: bytes) -> dict:
+    """A ``keyed_record`` read back; ``LedgerError`` naming ``path`` where its HMAC does not
+    verify (written without the key, or damaged), and where a keyed ledger's record has none."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        mac = data.pop("hmac-sha256", None)
+        ok = (
+            (mac is None)
+            if key is None
+            else mac is not None and hmac.compare_digest(str(mac), _mac(key, data, domain))
+        )
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise LedgerError(f"cannot read {path}: {err}. It is left untouched") from err
+    if not ok:
+        raise LedgerError(
+            f"{path} fails its HMAC check: it was written without the site's ledger key, or "
+            "damaged. It is left untouched"
+        )
+    return data
+
+
 def default_key_path(ledger_path: str | Path) -> Path:
     """Where a ledger's key lives unless configured otherwise: beside it, ``<ledger>.key``."""
     return Path(str(ledger_path) + KEY_SUFFIX)

@@ -12,25 +12,31 @@ the figure holds only where the site trusts it, as central mode's noise already 
 (``Mode.refusal`` refuses a selection in any other mode).
 
 On disk, beside the site's ledger ``L``: ``L.selections/<search>/selection.json`` (the event
-recorded, written after the ledger holds it: a crash in between records it again, an
-over-count, never an under-count) and ``trial-<n>.json`` (the trial's ledger, under the
-site's key, with its own high-water mark).
+recorded, under the ledger's key, written after the ledger holds it: a crash in between
+records it again, an over-count, never an under-count) and ``trial-<n>.json`` (the trial's
+ledger, under the site's key, with its own high-water mark).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
 
 from gep_fed.accounting.events import PrivacyEvent, rdp_accountant
-from gep_fed.accounting.ledger import BudgetExceededError, PrivacyLedger, selections_folder
+from gep_fed.accounting.ledger import (
+    BudgetExceededError,
+    PrivacyLedger,
+    keyed_record,
+    read_keyed_record,
+    selections_folder,
+)
 from gep_fed.federation.wire import RoundRefused, SelectionTerms
 from gep_fed.files import write_bytes_atomically
 
 RECORDED = "selection.json"
+SELECTION_DOMAIN = b"selection:"
 
 
 def selection_folder(ledger_path: Path, search: str) -> Path:
@@ -65,9 +71,11 @@ def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
     event = replace(terms.event, party=main.owner)
     recorded = folder / RECORDED
 
+    body = {"search": terms.search, "event": event.to_dict()}
+
     def record_selection(check_only: bool) -> None:
-        if recorded.exists():
-            if json.loads(recorded.read_text(encoding="utf-8")) != event.to_dict():
+        if recorded.exists():  # under the ledger's key: no hand-written file skips a charge
+            if read_keyed_record(recorded, main.key, SELECTION_DOMAIN) != body:
                 raise RoundRefused("malformed round")  # the search's terms changed under its id
             return
         try:
@@ -77,7 +85,7 @@ def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
             main.record(event)
         except BudgetExceededError:
             raise RoundRefused("over budget") from None
-        write_bytes_atomically(recorded, json.dumps(event.to_dict(), sort_keys=True).encode())
+        write_bytes_atomically(recorded, keyed_record(main.key, body, SELECTION_DOMAIN))
 
     record_selection(check_only=True)
     folder.mkdir(parents=True, exist_ok=True)
