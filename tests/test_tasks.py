@@ -170,12 +170,13 @@ def test_a_task_without_a_validation_set_keeps_no_best_model():
 @pytest.mark.slow
 def test_cifar10_with_resnet20_gn_trains_a_client_mode_round_reduced(tmp_path):
     """The CIFAR-10 worked example (batches 1-2 private, batch 5 for the server,
-    Tiny-ImageNet anchors, ResNet20-GN), reduced to one round of client mode (central mode's
-    site code is the same clipped sums, simulated on digits in tests/test_simulation.py)."""
+    Tiny-ImageNet anchors, ResNet20-GN), reduced to one round of client mode and a server
+    evaluation on 500 images (central mode's site code is the same clipped sums, simulated
+    on digits in tests/test_simulation.py)."""
     shared_file("cifar10/cifar-10-batches-bin/data_batch_5.bin")
     shared_file("tinyimagenet/tinyimagenet_val_32x32.npz")
     fed = FederationConfig(
-        task="cifar10",
+        task="example_task:Cifar10ShortEvaluation",
         model="resnet20",
         data_dir=str(SHARED_DATA),
         mode="client",
