@@ -90,7 +90,7 @@ def test_a_hand_written_selection_record_is_refused_and_cannot_skip_the_charge(t
     forged.write_text(
         json.dumps({"search": SEARCH, "event": replace(event, party="site-0").to_dict()})
     )
-    with pytest.raises(LedgerError, match="selection.json fails its HMAC check"):
+    with pytest.raises(LedgerError, match=r"selection\.json fails its HMAC check"):
         trial_ledger(main, SelectionTerms(SEARCH, 1, event)).record(one_step())
     assert PrivacyLedger.load_keyed(main.path).events == ()  # nothing released either
     forged.unlink()  # without the record, the trial's first release charges it
