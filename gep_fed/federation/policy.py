@@ -2,7 +2,7 @@
 
 In client-side mode a site's guarantee must hold against a malicious server, so everything
 that decides it is the site's: the modes it accepts, its budget and delta, whether anything
-beyond the noised release may leave, and its noise (always seeded by the operating system in
+beyond the noised release may leave, and its noise (always keyed by the operating system in
 a deployment). ``SitePolicy.admit`` checks each round against this before anything is
 computed; a refusal is a fixed reason code (``gep_fed.wire.REFUSALS``), never an exception
 text.
@@ -146,7 +146,7 @@ class SitePolicy:
             labelled so everywhere). Off by default.
         allow_no_noise: accept sigma = 0, i.e. no privacy at all (tests only). Off by default.
         noise_seed: fixes the site's noise (simulations for tests and benchmarks only; a
-            deployed site has none and its noise is seeded by the OS CSPRNG).
+            deployed site has none and its noise is keyed by the OS CSPRNG).
         max_local_steps, max_augmentation_copies: the most work one round may ask of the
             site (client-mode steps; augmented copies per example). They bound compute, not
             privacy: every step is accounted whatever its number, and copies leave the

@@ -80,7 +80,7 @@ class Site:
         kind: the task's kind ("multiclass", "binary", "multilabel"): which targets are valid.
         ledger: the site's own ledger, on the site's disk; every release is recorded in it.
         noise: the site's noise; cryptographically seeded unless the policy fixes a seed.
-        sampler_generator: Poisson sampling randomness (None: seeded from the OS).
+        sampler_generator: Poisson sampling randomness (None: a ``SecretStream`` keyed by the OS).
         max_chunk: at most this many examples are loaded and differentiated at once.
         num_workers: ``DataLoader`` worker processes that decode the sampled examples.
         augmentation: the task's augmentation (``Task.augmentation``), used when a round

@@ -283,7 +283,8 @@ class LangevinTrainer:
         config: schedule, G, beta0, eta (single pass: also feature_norm_bound).
         loss_fn: single pass: ``F.cross_entropy`` only (its bounds are known).
         noise: Gaussian noise source (cryptographically seeded by default).
-        generator: data order / sampling randomness (None: seeded from the OS).
+        generator: data order / sampling randomness (None: the sampling keyed by the OS; the
+            single pass's public order from PyTorch's generator).
         observers: release observers (``gep_fed.mechanisms.observer``): their extra rows join
             every step's sample, and in the multi-pass schedule each sees every iterate's
             release. One that adds rows changes the private sums: never in a real run.

@@ -317,7 +317,7 @@ def private_step(
     delta)`` (RDP, ``dp-accounting``). The step's ledger enforces that budget, so a step
     beyond the plan raises ``BudgetExceededError`` before it computes anything. The sampler
     draws ``steps`` Poisson samples of ``range(dataset_size)``, the batches the accounting
-    assumes, seeded by the operating system (amplification by sampling needs a sample the
+    assumes, keyed by the operating system (amplification by sampling needs a sample the
     adversary cannot predict).
 
     Args:
