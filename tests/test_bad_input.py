@@ -1,6 +1,7 @@
 """Bad input at the federation's boundaries: every problem named, nothing recorded lost."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -215,6 +216,26 @@ def test_a_run_without_noise_says_it_has_no_privacy_in_its_summary_and_report(no
     lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
     assert lines[0].startswith("NO PRIVACY: the noise multiplier is 0")
     assert "**NO PRIVACY: the noise multiplier is 0" in render_report(result.run_dir).read_text()
+
+
+def test_a_run_with_seeded_noise_says_so_first_in_its_summary_and_report(tmp_path):
+    """noise-seed is for tests and benchmarks; a run config that sets it (flwr run reads it
+    too) must not read as private: the seed removes the noise for whoever knows it."""
+    from gep_fed.federation.report import render_report, summary_lines
+    from gep_fed.flower.simulation import simulate
+
+    fed = FederationConfig(
+        num_public=100, num_basis=8, rounds=1, local_steps=1, sample_rate=1.0, num_sites=2,
+        noise_seed=3, run_dir=str(tmp_path), run_name="run",
+    )  # fmt: skip
+    result = simulate(fed, False, engine="in-process")
+    lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
+    assert lines[0].startswith("NOISE SEEDED (noise-seed 3; tests and benchmarks only)")
+    assert "**NOISE SEEDED (noise-seed 3" in render_report(result.run_dir).read_text()
+    unseeded = replace(fed, noise_seed=None)
+    assert not summary_lines(unseeded, result.metrics, None, {}, result.run_dir, 1.0)[0].startswith(
+        "NOISE SEEDED"
+    )
 
 
 def test_a_damaged_site_ledger_is_named_in_the_summary_and_report_which_still_stand(

@@ -258,6 +258,27 @@ def test_resume_restores_the_ledger_written_with_the_last_checkpoint(tmp_path, d
     )
 
 
+def test_a_resumed_seeded_server_continues_its_noise_rather_than_redrawing_it(tmp_path, digits):
+    """A seeded server (tests, benchmarks) that resumed from round 0 of its noise stream
+    would add round 1's noise again: two releases whose difference cancels it."""
+    settings = dict(mode="central", noise_multiplier=2.0, noise_seed=5)
+    server = make_server(tmp_path, digits, **settings)
+    plan = server.plan_round(1)
+    site = Site(
+        "s", digits.build_model(), digits.train_dataset(), TRUSTING, ledger=PrivacyLedger(1e-5)
+    )
+    site.load_state(server.model.state_dict())
+    server.apply_central(1, [site.central_sums(server.subspace, plan.config)])
+    drawn = server.noise.state_dict()
+    assert drawn["position"] > 0
+    again = make_server(tmp_path, digits, **settings)
+    assert again.resume() == 1 and again.noise.state_dict() == drawn
+    like = torch.zeros(10)
+    assert torch.equal(again.noise.gaussian(like, 1.0), server.noise.gaussian(like, 1.0))
+    unseeded = make_server(tmp_path / "os", digits, mode="central", noise_multiplier=2.0)
+    assert unseeded.noise.state_dict() == {}  # an OS-keyed source writes nothing
+
+
 def test_a_spent_ledger_without_checkpoint_is_not_started_over(tmp_path, digits):
     server = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
     server.plan_round(1)

@@ -64,6 +64,14 @@ NO_PRIVACY = (
 )
 
 
+def seeded_noise_line(seed: int) -> str:
+    """What a run whose noise was fixed by a seed (tests and benchmarks) must say first."""
+    return (
+        f"NOISE SEEDED (noise-seed {seed}; tests and benchmarks only): whoever knows the seed "
+        "can remove the noise, so the epsilon below holds only against those who do not"
+    )
+
+
 def _plot(
     rows: list[dict], keys: tuple[str, ...], label: str, path: Path, budget: float | None = None
 ) -> bool:
@@ -181,6 +189,8 @@ def render_report(run_dir: str | Path) -> Path:
         lines += [f"**{refused}**", ""]
     if config.get("resolved-noise-multiplier") == 0:
         lines += [f"**{NO_PRIVACY}**", ""]
+    elif config.get("noise-seed", -1) >= 0:  # -1: the OS-keyed noise
+        lines += [f"**{seeded_noise_line(config['noise-seed'])}**", ""]
     lines += [
         f"- task **{config.get('task')}**, {sites_formed(run, config)}, mode **{mode}**, "
         f"mechanism **{mech}**",
@@ -295,6 +305,8 @@ def summary_lines(
     out = [f"stopped early: {stop_reason}"] if stop_reason else []
     if fed.noise_multiplier == 0:
         out.append(NO_PRIVACY)
+    elif fed.noise_seed is not None:
+        out.append(seeded_noise_line(fed.noise_seed))
     last = rows[-1] if rows else {}
     nan = float("nan")
     table = [

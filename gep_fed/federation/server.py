@@ -469,6 +469,9 @@ class FederationServer:
                 "average": None if self.average is None else self.average.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "generator": self.generator.get_state(),
+                # a seeded source's position (a resumed test run must not redraw its noise);
+                # empty for the OS-keyed one, whose state would let a reader remove its noise
+                "noise": self.noise.state_dict(),
                 "ledger": self.ledger.to_json(),
                 "saved": time.time(),
             },
@@ -505,6 +508,7 @@ class FederationServer:
             self.average.load_state_dict(ckpt["average"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.generator.set_state(ckpt["generator"])
+        self.noise.load_state_dict(ckpt.get("noise", {}))
         self.completed_rounds = int(ckpt["round"])
         best = self.run.load_torch(BEST_MODEL)
         if best is not None and int(best["round"]) <= self.completed_rounds:

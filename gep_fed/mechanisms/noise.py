@@ -32,8 +32,11 @@ class NoiseSource:
 
     def gaussian(self, like: torch.Tensor, std: float) -> torch.Tensor:
         """A draw of ``N(0, std^2)`` with the shape, dtype and device of ``like`` (drawn in
-        float64 on the CPU, then cast and moved)."""
-        draws = torch.from_numpy(self._stream.gaussians(like.numel())).reshape(like.shape)
+        float64 on the CPU, then cast and moved). Box-Muller pairs are used both only where
+        the release is rounded below float64 (``SecretStream.gaussians``)."""
+        paired = like.dtype != torch.float64
+        draws = self._stream.gaussians(like.numel(), paired)
+        draws = torch.from_numpy(draws).reshape(like.shape)
         return (draws * std).to(dtype=like.dtype, device=like.device)
 
     def state_dict(self) -> dict:
@@ -56,8 +59,7 @@ class NoiseSource:
                 "this noise state was saved by an older gep-fed (PyTorch generators, replaced by "
                 "a ChaCha20 stream): a seeded run cannot continue it exactly; start it over"
             )
-        self._stream = SecretStream.from_seed(self.seed, "noise")
-        self._stream.position = int(state["position"])
+        self._stream = SecretStream.from_seed(self.seed, "noise", state["position"])
 
     def __repr__(self) -> str:
         return f"NoiseSource(seed={self.seed})" if self.seeded else "NoiseSource(cryptographic)"
