@@ -149,6 +149,62 @@ def test_bad_replies_are_rejected_by_name_and_the_round_goes_on(tmp_path, monkey
     assert PrivacyLedger.load(result.run_dir / "ledger.json").steps == 4
 
 
+BAD_METRICS = [
+    ("site-epsilon", [1.0], "'metrics.site-epsilon': not a number"),
+    ("site-epsilon", float("inf"), "'metrics.site-epsilon': not finite"),
+    ("site-epsilon", float("nan"), "'metrics.site-epsilon': not finite"),
+    ("site-epsilon", -1.0, "'metrics.site-epsilon': negative"),
+    ("basis-id", 99, "'metrics.basis-id': a basis the server never sent"),
+    ("anything", 1.0, "'metrics': unknown key(s) ['anything']"),
+]
+
+
+def tampering_metrics_app(fed, simulation):
+    """Site partition 0 sends a bad metric each round (``BAD_METRICS``); the others are honest."""
+    from flwr.app import MetricRecord
+    from flwr.clientapp import ClientApp
+
+    from gep_fed.flower.clientapp import handle_train
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        reply = handle_train(msg, context, fed, simulation)
+        rnd = msg.content.config_records[wire.ROUND_CONFIG]["round"]
+        tampered = context.node_config["partition-id"] == 0 and not reply.has_error()
+        if tampered and wire.REPLY_METRICS in reply.content.metric_records:  # not advertise
+            key, value, _ = BAD_METRICS[rnd - 1]
+            metrics = dict(reply.content.metric_records[wire.REPLY_METRICS])
+            reply.content[wire.REPLY_METRICS] = MetricRecord({**metrics, key: value})
+        return reply
+
+    return app
+
+
+@pytest.mark.parametrize("mode", ["client", "central"])
+def test_a_reply_with_bad_metrics_is_rejected_by_name_before_it_is_used(
+    tmp_path, monkeypatch, mode
+):
+    """A site's metrics (its epsilon, the basis it holds) are read by the server: a list, a
+    NaN or a basis never sent crashed the round after it was applied, or became the run's
+    recorded epsilon. Each is now a rejected reply, named, and the round goes on with the
+    others."""
+    import gep_fed.flower.simulation as runner
+
+    fed = FederationConfig(
+        mode=mode, rounds=len(BAD_METRICS), num_sites=3, min_sites=2, run_dir=str(tmp_path),
+        run_name="r", **{**FAST, "local_steps": 1},
+    )  # fmt: skip
+    monkeypatch.setattr("gep_fed.flower.clientapp.make_client_app", tampering_metrics_app)
+    result = runner.simulate(fed, progress=False, engine="in-process")
+    assert [m["round"] for m in result.metrics] == list(range(1, len(BAD_METRICS) + 1))
+    for metrics, (*_, problem) in zip(result.metrics, BAD_METRICS, strict=True):
+        assert any(problem in r for r in metrics["rejected"]), metrics["rejected"]
+        assert math.isfinite(metrics["epsilon"])
+        assert metrics["sites_ok"] == 2 and metrics["applied"], metrics
+
+
 def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
     sigma, q = 1.5, 0.2
     two = epsilon_rdp([GEP.event(sigma, q, 2)], 1e-5)

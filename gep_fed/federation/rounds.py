@@ -371,7 +371,7 @@ def _metrics(reply: Reply) -> dict:
 
 def _largest_epsilon(site_metrics) -> float | None:
     """The largest epsilon the sites' own ledgers reported (None: none did)."""
-    reported = [m["site-epsilon"] for m in site_metrics if "site-epsilon" in m]
+    reported = [m[wire.SITE_EPSILON] for m in site_metrics if wire.SITE_EPSILON in m]
     return max(reported) if reported else None
 
 
@@ -530,6 +530,7 @@ class RoundLoop:
             raise wire.WireError(sender, wire.REPLY_META, "missing")
         wire.check_reply_meta(meta, sender, self.server.wire_round(rnd), self.cfg.mode)
         metrics = _metrics(reply)
+        wire.check_reply_metrics(metrics, sender, self.server.basis_id)
         if self.mode.server_steps:
             sums = content.arrays(wire.CLIPPED_SUMS)
             if sums is None:
@@ -620,6 +621,7 @@ class RoundLoop:
             if meta is None:
                 raise wire.WireError(sender, wire.REPLY_META, "missing")
             wire.check_reply_meta(meta, sender, self.server.wire_round(rnd), self.cfg.mode)
+            wire.check_reply_metrics(_metrics(reply), sender, self.server.basis_id)
         except wire.WireError as err:
             return str(err)
         return None
@@ -682,8 +684,8 @@ class RoundLoop:
 
     def _note_basis(self, node: int, metrics: Mapping) -> None:
         """A site that used the round's basis holds it: later rounds send it none."""
-        if metrics.get("basis-id", -1) >= 0:
-            self.basis_held[node] = int(metrics["basis-id"])
+        if metrics.get(wire.BASIS_ID, -1) >= 0:
+            self.basis_held[node] = int(metrics[wire.BASIS_ID])
 
     def round_record(self, rnd: int, began: float, site_epsilon: float | None) -> dict:
         """The round's metrics: the task's metrics on the server's evaluation data, the

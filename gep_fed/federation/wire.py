@@ -404,6 +404,39 @@ def check_reply_meta(meta: Mapping, sender: str, round_: int, mode: str) -> None
         raise WireError(sender, f"{REPLY_META}.mode", f"{meta.get('mode')!r}, expected {mode!r}")
 
 
+# The metrics a reply may carry: data-free, and the training loss a site releases by its own
+# node config (``release-metrics``), named as outside the guarantee.
+SITE_EPSILON, BASIS_ID, LOCAL_STEPS = "site-epsilon", "basis-id", "local-steps"
+BASIS_BYTES_RECEIVED = "basis-bytes-received"
+UNPROTECTED_LOSS = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
+REPLY_METRIC_KEYS = frozenset(
+    {SITE_EPSILON, BASIS_ID, LOCAL_STEPS, BASIS_BYTES_RECEIVED, UNPROTECTED_LOSS}
+)
+
+
+def check_reply_metrics(metrics: Mapping, sender: str, latest_basis: int) -> None:
+    """Validate a reply's metrics: known keys, each a finite number, the epsilon >= 0, the
+    counts integers >= 0 and the basis one the server has sent (-1: none). A site's reply
+    with others is rejected by name before anything of it is used."""
+    unknown = sorted(set(metrics) - REPLY_METRIC_KEYS)
+    if unknown:
+        raise WireError(sender, REPLY_METRICS, f"unknown key(s) {unknown}")
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise WireError(sender, f"{REPLY_METRICS}.{key}", "not a number")
+        if not math.isfinite(value):
+            raise WireError(sender, f"{REPLY_METRICS}.{key}", "not finite")
+    if metrics.get(SITE_EPSILON, 0) < 0:
+        raise WireError(sender, f"{REPLY_METRICS}.{SITE_EPSILON}", "negative")
+    for key in (BASIS_ID, LOCAL_STEPS, BASIS_BYTES_RECEIVED):
+        value = metrics.get(key, 0)
+        low = -1 if key == BASIS_ID else 0
+        if value != int(value) or value < low:
+            raise WireError(sender, f"{REPLY_METRICS}.{key}", f"not an integer >= {low}")
+    if metrics.get(BASIS_ID, -1) > latest_basis:
+        raise WireError(sender, f"{REPLY_METRICS}.{BASIS_ID}", "a basis the server never sent")
+
+
 def reply_meta(round_: int, mode: str) -> dict:
     return {"protocol": PROTOCOL_VERSION, "round": round_, "mode": mode}
 

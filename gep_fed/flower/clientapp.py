@@ -72,7 +72,7 @@ log = logging.getLogger("gep_fed.federation.site")
 # One Site per (run, node, trial) in this process: data is loaded once, not every round (a
 # search's trial: the latest one per node is kept).
 _SITES: dict[tuple[int, int, int], tuple[Site, SiteConfig]] = {}
-BASIS_ID_KEY = "basis-id"
+BASIS_ID_KEY = wire.BASIS_ID
 BASIS_DTYPE_KEY = "basis-dtype"  # how the held basis is stored
 LAST_ROUND_KEY = "last-round"
 # The last planned round of the run, once the site refused it for its budget.
@@ -84,7 +84,7 @@ AGREEMENT_KEY = "secure-sum-agreement"
 # The secret key of the run's held-out coins: every message of the run (a deployed site
 # serves each in a fresh process) holds out the same examples.
 COINS_KEY = "held-out-coins"
-UNPROTECTED_LOSS_KEY = "train-loss-OUTSIDE-PRIVACY-GUARANTEE"
+UNPROTECTED_LOSS_KEY = wire.UNPROTECTED_LOSS
 
 
 def _arrays(values: dict) -> ArrayRecord:
@@ -353,7 +353,7 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
             through = max(rc.last_round, declined or 0)
             context.state[DECLINED_KEY] = ConfigRecord({DECLINED_KEY: through})
         raise
-    metrics = {"basis-bytes-received": received, BASIS_ID_KEY: rc.basis_id}
+    metrics = {wire.BASIS_BYTES_RECEIVED: received, BASIS_ID_KEY: rc.basis_id}
     if release.sums is not None:
         payload = {wire.CLIPPED_SUMS: _arrays(wire.encode_sums(release.sums))}
     elif release.share is not None:
@@ -364,8 +364,8 @@ def _train(msg: Message, context: Context, served: Served) -> Message:
     else:
         delta = wire.encode_delta(site.layout, release.delta)
         payload = {wire.MODEL_DELTA: _arrays(delta)}
-        metrics["local-steps"] = rc.local_steps
-    metrics["site-epsilon"] = ledger.epsilon()
+        metrics[wire.LOCAL_STEPS] = rc.local_steps
+    metrics[wire.SITE_EPSILON] = ledger.epsilon()
     if site.policy.release_metrics:
         metrics[UNPROTECTED_LOSS_KEY] = site.training_loss()
     content = RecordDict(
