@@ -205,6 +205,48 @@ def test_a_reply_with_bad_metrics_is_rejected_by_name_before_it_is_used(
         assert metrics["sites_ok"] == 2 and metrics["applied"], metrics
 
 
+def huge_delta_app(fed, simulation):
+    """Site partition 0 replies with a finite but huge model delta (3e38 everywhere)."""
+    from flwr.app import Array, ArrayRecord
+    from flwr.clientapp import ClientApp
+
+    from gep_fed.flower.clientapp import handle_train
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        reply = handle_train(msg, context, fed, simulation)
+        if context.node_config["partition-id"] == 0:
+            arrays = reply.content.array_records[wire.MODEL_DELTA]
+            huge = {k: np.full_like(a.numpy(), 3e38) for k, a in arrays.items()}
+            reply.content[wire.MODEL_DELTA] = ArrayRecord({k: Array(v) for k, v in huge.items()})
+        return reply
+
+    return app
+
+
+def test_a_finite_but_huge_client_delta_is_rejected_and_the_run_trains_and_resumes(
+    tmp_path, monkeypatch
+):
+    """A delta of 3e38 was applied: the checkpoint held weights of 1e38, the evaluation
+    failed on NaN without naming the site, and every resume failed. It is rejected by name."""
+    import gep_fed.flower.simulation as runner
+
+    fed = FederationConfig(
+        mode="client", rounds=2, num_sites=3, min_sites=2, run_dir=str(tmp_path), run_name="r",
+        **{**FAST, "local_steps": 1},
+    )  # fmt: skip
+    monkeypatch.setattr("gep_fed.flower.clientapp.make_client_app", huge_delta_app)
+    result = runner.simulate(fed, progress=False, engine="in-process")
+    for metrics in result.metrics:
+        assert metrics["sites_ok"] == 2 and metrics["applied"]
+        (rejected,) = metrics["rejected"]
+        assert "'model-delta': a value above 1e+06 x the model's scale" in rejected
+        assert math.isfinite(metrics["test_loss"])
+    assert torch.isfinite(final_weights(result.run_dir)).all()
+
+
 def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
     sigma, q = 1.5, 0.2
     two = epsilon_rdp([GEP.event(sigma, q, 2)], 1e-5)

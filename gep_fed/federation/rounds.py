@@ -548,6 +548,7 @@ class RoundLoop:
             if delta is None:
                 raise wire.WireError(sender, wire.MODEL_DELTA, "missing")
             payload = wire.decode_delta(delta, self.server.layout, sender)
+            self.server.check_plausible_delta(payload, sender)
         return node, payload, metrics
 
     def valid_replies(self, rnd: int, replies: Sequence[Reply]) -> list[tuple[int, object, dict]]:

@@ -32,6 +32,7 @@ from gep_fed.federation.rundir import BEST_MODEL, CHECKPOINT, MODEL, RunDirector
 from gep_fed.federation.site import resolve_device
 from gep_fed.federation.wire import (
     CLIPPED_SUMS,
+    MODEL_DELTA,
     RoundConfig,
     WireError,
     as_wire_array,
@@ -81,6 +82,11 @@ def _public_sample(
     public = task.public_dataset()
     pick = torch.randperm(len(public), generator=generator)[:count].sort().values
     return stack_examples(public, pick.tolist())
+
+
+# How many times the model's largest weight (and 1) a site's delta may move a weight: far
+# beyond any noised update (a step size of 10 over 100 steps of noise std 10 moves ~1e3).
+IMPLAUSIBLE_DELTA = 1e6
 
 
 class FederationServer:
@@ -332,6 +338,18 @@ class FederationServer:
                     f"norm exceeds clip bound {bounds[name]:g} x plausible batch "
                     f"{ceiling:.0f}: not honestly clipped",
                 )
+
+    def check_plausible_delta(self, delta: torch.Tensor, sender: str) -> None:
+        """Reject a site's model delta with a value above ``IMPLAUSIBLE_DELTA`` times the
+        model's largest weight (and 1): no private update comes near it, and a finite one of
+        3e38 left a committed model that evaluated to NaN and a run that could not resume."""
+        scale = 1.0 + float(self.layout.flatten_params(self.model).abs().max())
+        if float(delta.abs().max()) > IMPLAUSIBLE_DELTA * scale:
+            raise WireError(
+                sender,
+                MODEL_DELTA,
+                f"a value above {IMPLAUSIBLE_DELTA:g} x the model's scale: not a private update",
+            )
 
     def apply_central(self, round_: int, sums: list[ClippedSums]) -> None:
         """Add the noise once to the total, reconstruct with q*N, step, account."""
