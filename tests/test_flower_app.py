@@ -98,10 +98,23 @@ def test_start_uses_the_initial_arrays_and_calls_evaluate_fn_as_flower_does(tmp_
     assert [(row["round"], row["mine"]) for row in rows] == [(1, 1.0), (2, 2.0)]
 
 
-def test_evaluate_fn_may_not_overwrite_what_gep_records(tmp_path):
-    with pytest.raises(ValueError, match=r"evaluate_fn returned \['epsilon'\] in round 1"):
+def test_evaluate_fn_may_not_overwrite_what_gep_records_and_is_refused_before_round_one(tmp_path):
+    """Refused after a round, the clash lost that round's record: the round was committed
+    (its ledger step taken) and no metrics row written, at every attempt (the review: three
+    attempts, 3 ledger steps, 0 rows). It is refused on round 0's evaluation."""
+    from gep_fed.accounting.ledger import PrivacyLedger
+
+    with pytest.raises(ValueError, match=r"evaluate_fn returned \['epsilon'\]: GEPStrategy"):
         strategy(tmp_path).start(
             NoSites(), evaluate_fn=lambda rnd, arrays: MetricRecord({"epsilon": 0.0})
+        )
+    assert PrivacyLedger.load(tmp_path / "r" / "ledger.json").steps == 0
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    # one that returns the key only later is still refused, at that round
+    late = strategy(tmp_path / "late")
+    with pytest.raises(ValueError, match=r"evaluate_fn returned \['epsilon'\] in round 1"):
+        late.start(
+            NoSites(), evaluate_fn=lambda rnd, _: MetricRecord({"epsilon": 0.0} if rnd else {})
         )
 
 

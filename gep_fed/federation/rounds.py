@@ -375,6 +375,20 @@ def _largest_epsilon(site_metrics) -> float | None:
     return max(reported) if reported else None
 
 
+# The keys of a round's record (``RoundLoop.round_record``): these names, and every key with
+# one of these prefixes (the task's metrics, the sites' and the anchors' figures).
+ROUND_RECORD_NAMES = frozenset(
+    {"round", "epsilon", "delta", "round_seconds", "best_round", "sites_ok", "sites_asked"}
+    | {"applied", "rejected", "bytes_sent", "bytes_received"}
+)
+ROUND_RECORD_PREFIXES = ("test_", "val_", "site_", "anchor_", "basis_")
+
+
+def recorded_by_the_loop(key: str) -> bool:
+    """Whether the round loop writes ``key`` in a round's record itself."""
+    return key in ROUND_RECORD_NAMES or key.startswith(ROUND_RECORD_PREFIXES)
+
+
 # What the loop hands its caller after each round: (round, its record, the applied round's
 # train metrics or None). The caller may add keys to the record before it is written.
 AfterRound = Callable[[int, dict, dict | None], None]

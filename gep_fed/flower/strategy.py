@@ -20,7 +20,14 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rounds import INITIAL_MODEL, INITIAL_SHA256, RoundLoop, open_server
+from gep_fed.federation.rounds import (
+    INITIAL_MODEL,
+    INITIAL_SHA256,
+    ROUND_RECORD_PREFIXES,
+    RoundLoop,
+    open_server,
+    recorded_by_the_loop,
+)
 from gep_fed.federation.rundir import OUTCOME
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.grid import FlowerGrid, MeteredGrid, content_bytes, message, reply
@@ -313,6 +320,13 @@ class GEPStrategy(Strategy):
         if evaluate_fn is not None:
             extra = evaluate_fn(first - 1, self.global_arrays())
             if extra is not None:
+                # before any round: a clash found after a round was committed lost its record
+                clash = sorted(k for k in extra if recorded_by_the_loop(k))
+                if clash:
+                    raise ValueError(
+                        f"evaluate_fn returned {clash}: GEPStrategy records these keys (and "
+                        f"{', '.join(p + '*' for p in ROUND_RECORD_PREFIXES)}) itself; rename them"
+                    )
                 result.evaluate_metrics_serverapp[first - 1] = extra
 
         def after_round(rnd: int, record: dict, train: dict | None) -> None:
