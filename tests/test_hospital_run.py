@@ -1,6 +1,7 @@
 """A hospital's first run (issue 24): failures are loud and named, a simulation can use each
 hospital's own folders, a site may lack a class, the server refuses BatchNorm by name."""
 
+import json
 import os
 import subprocess
 import sys
@@ -250,6 +251,27 @@ def test_a_cli_error_is_one_line_from_the_installed_command(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_that_crashes_after_its_first_round_keeps_the_record_of_its_sites(tmp_path):
+    """sites.json was written only once the simulation returned: a crash after round 1 was
+    committed left a resumable run with no record, and a rerun on other data was accepted."""
+    from gep_fed.validation import ConfigError
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=2, mode="client")
+
+    def crash(record: dict) -> None:
+        raise RuntimeError("the machine went down")
+
+    with pytest.raises(RuntimeError, match="went down"):
+        simulate(fed, progress=False, site_data=folders, engine="in-process", on_round=crash)
+    assert (tmp_path / "runs" / "r" / "checkpoint.pt").exists()
+    assert json.loads((tmp_path / "runs" / "r" / "sites.json").read_text())
+    other = write_site_folders(tmp_path / "other", {"hospital-b": 40})
+    with pytest.raises(ConfigError, match=r"was trained on the sites' own data"):
+        simulate(fed, progress=False, site_data={**folders, "hospital-b": other["hospital-b"]},
+                 engine="in-process")  # fmt: skip
+
+
 def test_a_run_resumed_with_other_sites_or_data_is_refused_and_its_record_kept(tmp_path):
     """A renamed site would train on under a fresh ledger, though its data had spent
     budget; another folder would train on other data; either would overwrite the record of

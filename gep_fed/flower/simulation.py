@@ -372,7 +372,13 @@ def simulate(
     stop = StopRequest()
     committed = [RunDirectory(fed.run_directory("")).checkpoint_round()]
 
+    run = RunDirectory(fed.run_directory(""))
+
     def on_committed(record: dict) -> None:
+        if record.get("applied") and committed[0] == 0 and not run.file(SITES).exists():
+            # with the first checkpoint: a crash must not leave a resumable run without the
+            # record of which sites' data trained it
+            run.write_json(SITES, formed)
         committed[0] = record["round"] if record.get("applied") else committed[0]
         if on_round is not None:
             on_round(record)
@@ -389,7 +395,6 @@ def simulate(
         sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
         client_app = make_client_app(fed, sites)
         launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
-    run = RunDirectory(fed.run_directory(""))
     if run.path.is_dir():
         run.write_json(SITES, formed)
     outcome = done.get("outcome")
