@@ -415,16 +415,17 @@ REPLY_METRIC_KEYS = frozenset(
 
 
 def check_reply_metrics(metrics: Mapping, sender: str, latest_basis: int) -> None:
-    """Validate a reply's metrics: known keys, each a finite number, the epsilon >= 0, the
-    counts integers >= 0 and the basis one the server has sent (-1: none). A site's reply
-    with others is rejected by name before anything of it is used."""
+    """Validate a reply's metrics: known keys, each a finite number (the epsilon may be
+    infinite: a site that accepts rounds without noise), the epsilon >= 0, the counts
+    integers >= 0 and the basis one the server has sent (-1: none). A site's reply with
+    others is rejected by name before anything of it is used."""
     unknown = sorted(set(metrics) - REPLY_METRIC_KEYS)
     if unknown:
         raise WireError(sender, REPLY_METRICS, f"unknown key(s) {unknown}")
     for key, value in metrics.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise WireError(sender, f"{REPLY_METRICS}.{key}", "not a number")
-        if not math.isfinite(value):
+        if math.isnan(value) or (math.isinf(value) and key != SITE_EPSILON):
             raise WireError(sender, f"{REPLY_METRICS}.{key}", "not finite")
     if metrics.get(SITE_EPSILON, 0) < 0:
         raise WireError(sender, f"{REPLY_METRICS}.{SITE_EPSILON}", "negative")
