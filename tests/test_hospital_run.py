@@ -174,6 +174,16 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed
     (rounds,) = [x for x in out.splitlines() if x.strip().startswith("rounds")]
     assert "2 of 2: replies accepted from every site in 0 round(s)" in rounds
     assert "from none in 2; the model was updated in 0" in rounds
+    # nothing trained: said first, in the summary and the report, and not a success even
+    # where site failures are allowed (the review: the untrained model's accuracy read as
+    # the run's result, exit status 0)
+    assert out.strip().splitlines()[0].startswith("NOTHING TRAINED: no round updated the model")
+    report = (tmp_path / "runs" / "r" / "report.md").read_text()
+    assert report.index("**NOTHING TRAINED") < report.index("final round 2")
+    code, out, err = gep_fed_in_process(
+        capsys, *args, "--drop-bad-examples", "--allow-site-failures"
+    )
+    assert code == 1 and "site failures allowed" not in err
     # the hospitals fix their files and run the same command: the unapplied rounds were not
     # checkpointed, so the run resumes before round 1 and plays both again, now a success
     write_site_folders(tmp_path, {"hospital-a": 30, "hospital-b": 30})
@@ -186,6 +196,8 @@ def test_a_simulation_whose_sites_all_fail_exits_nonzero_and_succeeds_once_fixed
     metrics = RunDirectory(tmp_path / "runs" / "r").read_metrics()
     assert [(r["round"], r["applied"]) for r in metrics] == [
         (1, False),
+        (2, False),
+        (1, False),  # the attempt with --allow-site-failures
         (2, False),
         (1, True),
         (2, True),

@@ -64,6 +64,18 @@ NO_PRIVACY = (
 )
 
 
+NOTHING_TRAINED = (
+    "NOTHING TRAINED: no round updated the model, so the metrics below are the initial "
+    "model's"
+)
+
+
+def nothing_trained(rows: list[dict]) -> bool:
+    """Whether rounds ran and none of them (each round's latest attempt) updated the model."""
+    latest = latest_attempts(rows)
+    return bool(latest) and not any(r.get("applied") for r in latest)
+
+
 def seeded_noise_line(seed: int) -> str:
     """What a run whose noise was fixed by a seed (tests and benchmarks) must say first."""
     return (
@@ -187,6 +199,8 @@ def render_report(run_dir: str | Path) -> Path:
     refused = refusal_before_round_1(outcome.get("stop_reason"), rows)
     if refused:
         lines += [f"**{refused}**", ""]
+    elif nothing_trained(rows):
+        lines += [f"**{NOTHING_TRAINED}**", ""]
     if config.get("resolved-noise-multiplier") == 0:
         lines += [f"**{NO_PRIVACY}**", ""]
     elif config.get("noise-seed", -1) >= 0:  # -1: the OS-keyed noise
@@ -303,6 +317,8 @@ def summary_lines(
     if refused:
         return [refused]
     out = [f"stopped early: {stop_reason}"] if stop_reason else []
+    if nothing_trained(rows):
+        out.insert(0, NOTHING_TRAINED)
     if fed.noise_multiplier == 0:
         out.append(NO_PRIVACY)
     elif fed.noise_seed is not None:
