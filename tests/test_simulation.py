@@ -247,6 +247,32 @@ def test_a_finite_but_huge_client_delta_is_rejected_and_the_run_trains_and_resum
     assert torch.isfinite(final_weights(result.run_dir)).all()
 
 
+def test_client_rounds_the_sites_replied_to_but_not_applied_are_not_left_out_of_the_summary(
+    tmp_path, monkeypatch
+):
+    """Client mode: with one reply rejected and min_sites 3, no round updates the model, so
+    the server accounts nothing, yet the two honest sites released and recorded each round.
+    The summary showed the server's 0 as the sites' spend."""
+    import gep_fed.flower.simulation as runner
+    from gep_fed.federation.report import summary_lines
+
+    fed = FederationConfig(
+        mode="client", rounds=2, num_sites=3, min_sites=3, run_dir=str(tmp_path), run_name="r",
+        **{**FAST, "local_steps": 1},
+    )  # fmt: skip
+    monkeypatch.setattr("gep_fed.flower.clientapp.make_client_app", huge_delta_app)
+    result = runner.simulate(fed, progress=False, engine="in-process")
+    assert [m["applied"] for m in result.metrics] == [False, False]
+    site_spend = max(m["site_epsilon_max"] for m in result.metrics)
+    for site in ("site-1", "site-2"):
+        ledger = PrivacyLedger.load_keyed(result.run_dir / "sites" / site / "ledger.json")
+        assert ledger.steps == 2 and ledger.epsilon() == pytest.approx(site_spend)
+    lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
+    (spent,) = [x for x in lines if "epsilon spent (each site)" in x]
+    assert "the sites' own ledgers also hold 2 round(s) they replied to" in spent
+    assert f"largest epsilon a site reported: {site_spend:.3f}" in spent
+
+
 def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
     sigma, q = 1.5, 0.2
     two = epsilon_rdp([GEP.event(sigma, q, 2)], 1e-5)

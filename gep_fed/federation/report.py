@@ -65,8 +65,7 @@ NO_PRIVACY = (
 
 
 NOTHING_TRAINED = (
-    "NOTHING TRAINED: no round updated the model, so the metrics below are the initial "
-    "model's"
+    "NOTHING TRAINED: no round updated the model, so the metrics below are the initial model's"
 )
 
 
@@ -74,6 +73,22 @@ def nothing_trained(rows: list[dict]) -> bool:
     """Whether rounds ran and none of them (each round's latest attempt) updated the model."""
     latest = latest_attempts(rows)
     return bool(latest) and not any(r.get("applied") for r in latest)
+
+
+def released_unapplied_text(rows: list[dict]) -> str:
+    """Client mode: rounds the sites replied to (and recorded in their own ledgers) that did
+    not update the model, which the server's figure leaves out; "" when there are none."""
+    unapplied = [
+        r for r in latest_attempts(rows) if not r.get("applied") and r.get("site_epsilon_max")
+    ]
+    if not unapplied:
+        return ""
+    largest = max(r["site_epsilon_max"] for r in rows if r.get("site_epsilon_max") is not None)
+    return (
+        f"; in applied rounds only: the sites' own ledgers also hold {len(unapplied)} "
+        f"round(s) they replied to that did not update the model (largest epsilon a site "
+        f"reported: {largest:.3f})"
+    )
 
 
 def seeded_noise_line(seed: int) -> str:
@@ -349,7 +364,8 @@ def summary_lines(
         table.append(
             (
                 f"epsilon spent ({who})",
-                f"{spent.epsilon():.3f} (RDP), {pld_text(spent.epsilon('pld'), 3)} {budget}",
+                f"{spent.epsilon():.3f} (RDP), {pld_text(spent.epsilon('pld'), 3)} {budget}"
+                + released_unapplied_text(rows),
             )
         )
     for name, spent in simulated_site_spending(Path(run_dir)):

@@ -586,13 +586,17 @@ class RoundLoop:
         if valid >= self.cfg.min_sites:
             return True
         self.info["applied"] = False
+        released = valid and not self.mode.server_steps  # client mode: the sites' own noise
         log.warning(
             "round %d: %d valid repl%s, fewer than min_sites=%d: the global model is not "
-            "updated and nothing is accounted for this round",
+            "updated and the server accounts nothing for this round%s",
             rnd,
             valid,
             "y" if valid == 1 else "ies",
             self.cfg.min_sites,
+            " (the sites that replied recorded their releases in their own ledgers)"
+            if released
+            else "",
         )
         return False
 
@@ -610,17 +614,20 @@ class RoundLoop:
 
         Returns data-free train metrics (``sites-ok``, ``sites-rejected``, the largest
         ``site-epsilon-max`` the sites' ledgers reported), or None when too few replies were
-        valid: then the model is unchanged and nothing is accounted."""
+        valid: then the model is unchanged and the server accounts nothing (in client mode
+        the sites that replied have recorded their releases: the largest epsilon they report
+        is kept in the round's record even then)."""
         valid = self.valid_replies(rnd, replies)
+        site_metrics = [metrics for *_, metrics in valid]
+        reported = None if self.mode.server_steps else _largest_epsilon(site_metrics)
+        if reported is not None:  # each site's own ledger is the authority
+            self.info["site_epsilon_max"] = reported
         if not self.enough_sites(rnd, len(valid)):
             return None
         self.apply(rnd, [payload for _, payload, _ in valid])
-        site_metrics = [metrics for *_, metrics in valid]
         train = {"sites-ok": len(valid), "sites-rejected": len(self.info["rejected"])}
-        if not self.mode.server_steps:  # each site's own ledger is the authority
-            reported = _largest_epsilon(site_metrics)
-            if reported is not None:
-                self.info["site_epsilon_max"] = train["site-epsilon-max"] = reported
+        if reported is not None:
+            train["site-epsilon-max"] = reported
         unprotected = [m[k] for m in site_metrics for k in m if "OUTSIDE-PRIVACY" in k]
         if unprotected:
             self.info["site_train_loss_OUTSIDE_PRIVACY_GUARANTEE"] = unprotected
