@@ -334,3 +334,11 @@ def test_without_model_average_the_last_iterate_is_served(tmp_path, digits):
     server = make_server(tmp_path, digits, mode="client")
     server.apply_client(1, [torch.randn(server.layout.size)])
     assert server.served_model is server.model
+
+
+def test_a_delta_not_below_one_over_n_is_refused_by_name(tmp_path, digits):
+    """(epsilon, delta) with delta >= 1/N allows one example to leak whole: the review ran
+    delta 0.05 on 1,437 examples (1/N = 7e-4) and got a run reported at epsilon 8."""
+    with pytest.raises(ConfigError, match=r"delta 0.05 is not below 1/N = 0.000696 for the 1437"):
+        make_server(tmp_path, digits, delta=0.05)
+    make_server(tmp_path / "ok", digits, delta=1e-5)

@@ -141,6 +141,13 @@ class FederationServer:
                 f"augmentation_copies {cfg.augmentation_copies}: task {cfg.task!r} (model "
                 f"{cfg.model!r}) has no augmentation (Task.augmentation); use 0"
             )
+        if total_examples and cfg.delta * total_examples >= 1:
+            # (epsilon, delta) with delta >= 1/N allows publishing one of the N examples whole
+            raise ConfigError(
+                f"delta {cfg.delta:g} is not below 1/N = {1 / total_examples:.3g} for the "
+                f"{total_examples} examples of the sites' data: a guarantee at it allows one "
+                "example to leak whole; give a delta well below 1/N"
+            )
         self.total_examples = total_examples
         # Langevin sites add their own noise from beta0 and account per step themselves.
         self.langevin = cfg.mechanism == "langevin"
