@@ -98,6 +98,14 @@ def test_start_uses_the_initial_arrays_and_calls_evaluate_fn_as_flower_does(tmp_
     assert [(row["round"], row["mine"]) for row in rows] == [(1, 1.0), (2, 2.0)]
 
 
+@pytest.mark.parametrize("num_rounds", [0, -1, 99, 2.5])
+def test_num_rounds_outside_the_configs_rounds_is_refused_by_name(tmp_path, num_rounds):
+    """-1 ran nothing, 0 became the config's rounds, and more rounds than the config's
+    applied two and then crashed (the sites' plans and sigma are for the config's rounds)."""
+    with pytest.raises(ValueError, match=r"num_rounds must be an integer from 1 to the config"):
+        strategy(tmp_path).start(NoSites(), num_rounds=num_rounds)
+
+
 def test_evaluate_fn_may_not_overwrite_what_gep_records_and_is_refused_before_round_one(tmp_path):
     """Refused after a round, the clash lost that round's record: the round was committed
     (its ledger step taken) and no metrics row written, at every attempt (the review: three

@@ -307,11 +307,20 @@ class GEPStrategy(Strategy):
             ``evaluate_metrics_serverapp`` each round's numeric metrics.
 
         Raises:
-            ValueError: ``initial_arrays`` do not fit, a config is not empty, or
-                ``evaluate_fn`` returned a key GEP records itself.
+            ValueError: ``initial_arrays`` do not fit, a config is not empty,
+                ``num_rounds`` is outside 1 to the config's ``rounds``, or ``evaluate_fn``
+                returned a key GEP records itself.
         """
         _refuse_config("train_config", train_config, TRAIN_CONFIG_REFUSED)
         _refuse_config("evaluate_config", evaluate_config, EVALUATE_CONFIG_REFUSED)
+        if num_rounds is not None and not (
+            isinstance(num_rounds, int) and 1 <= num_rounds <= self.cfg.rounds
+        ):
+            # the sites' plans and the calibrated sigma are for the config's rounds
+            raise ValueError(
+                f"num_rounds must be an integer from 1 to the config's rounds "
+                f"({self.cfg.rounds}), got {num_rounds!r}"
+            )
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.round_timeout
         self.summary()
