@@ -247,6 +247,40 @@ def test_a_finite_but_huge_client_delta_is_rejected_and_the_run_trains_and_resum
     assert torch.isfinite(final_weights(result.run_dir)).all()
 
 
+def extra_record_app(fed, simulation):
+    """Site partition 0 adds clipped sums (central mode's payload) to its client reply."""
+    from flwr.app import Array, ArrayRecord
+    from flwr.clientapp import ClientApp
+
+    from gep_fed.flower.clientapp import handle_train
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg, context):
+        reply = handle_train(msg, context, fed, simulation)
+        if context.node_config["partition-id"] == 0:
+            extra = ArrayRecord({"residual": Array(np.zeros(3, np.float32))})
+            reply.content[wire.CLIPPED_SUMS] = extra
+        return reply
+
+    return app
+
+
+def test_a_reply_with_records_its_mode_does_not_send_is_rejected_by_name(tmp_path, monkeypatch):
+    import gep_fed.flower.simulation as runner
+
+    fed = FederationConfig(
+        mode="client", rounds=1, num_sites=3, min_sites=2, run_dir=str(tmp_path), run_name="r",
+        **{**FAST, "local_steps": 1},
+    )  # fmt: skip
+    monkeypatch.setattr("gep_fed.flower.clientapp.make_client_app", extra_record_app)
+    (metrics,) = runner.simulate(fed, progress=False, engine="in-process").metrics
+    (rejected,) = metrics["rejected"]
+    assert "records this mode does not send: ['clipped-sums']" in rejected
+    assert metrics["sites_ok"] == 2 and metrics["applied"]
+
+
 def test_client_rounds_the_sites_replied_to_but_not_applied_are_not_left_out_of_the_summary(
     tmp_path, monkeypatch
 ):

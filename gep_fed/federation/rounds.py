@@ -543,6 +543,10 @@ class RoundLoop:
         if meta is None:
             raise wire.WireError(sender, wire.REPLY_META, "missing")
         wire.check_reply_meta(meta, sender, self.server.wire_round(rnd), self.cfg.mode)
+        payload_name = wire.CLIPPED_SUMS if self.mode.server_steps else wire.MODEL_DELTA
+        extra = sorted(set(content.records) - {wire.REPLY_META, wire.REPLY_METRICS, payload_name})
+        if extra:  # (clipped sums in a client-mode reply: never kept, but never silent)
+            raise wire.WireError(sender, "reply", f"records this mode does not send: {extra}")
         metrics = _metrics(reply)
         wire.check_reply_metrics(metrics, sender, self.server.basis_id)
         if self.mode.server_steps:
