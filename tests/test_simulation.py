@@ -307,6 +307,37 @@ def test_client_rounds_the_sites_replied_to_but_not_applied_are_not_left_out_of_
     assert f"largest epsilon a site reported: {site_spend:.3f}" in spent
 
 
+def test_a_round_committed_before_a_crash_keeps_a_metrics_row_that_says_its_metrics_were_lost(
+    tmp_path, monkeypatch
+):
+    """A crash between a round's commit (checkpoint and ledger) and its metrics row lost the
+    row for good: a resume gave rounds [1, 3] with 3 ledger steps, and said nothing."""
+    from gep_fed.federation.report import render_report, summary_lines
+    from gep_fed.federation.rundir import RunDirectory
+
+    fed = FederationConfig(mode="central", rounds=3, run_dir=str(tmp_path), run_name="r", **FAST)
+    append = RunDirectory.append_metrics
+
+    def crash_at_round_two(self, record):
+        if record["round"] == 2:
+            raise RuntimeError("the machine went down")
+        append(self, record)
+
+    monkeypatch.setattr(RunDirectory, "append_metrics", crash_at_round_two)
+    with pytest.raises(RuntimeError, match="went down"):
+        simulate(fed, progress=False, engine="in-process")
+    monkeypatch.setattr(RunDirectory, "append_metrics", append)
+    result = simulate(fed, progress=False, engine="in-process")
+    rows = RunDirectory(result.run_dir).read_metrics()
+    assert [(r["round"], "metrics_lost" in r) for r in rows] == [(1, False), (2, True), (3, False)]
+    assert PrivacyLedger.load(result.run_dir / "ledger.json").steps == 3
+    lines = summary_lines(fed, result.metrics, None, result.site_rounds, result.run_dir, 1.0)
+    assert any(
+        x.startswith("round(s) 2: applied and accounted, but the run stopped") for x in lines
+    )
+    assert "**round(s) 2: applied and accounted" in render_report(result.run_dir).read_text()
+
+
 def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
     sigma, q = 1.5, 0.2
     two = epsilon_rdp([GEP.event(sigma, q, 2)], 1e-5)

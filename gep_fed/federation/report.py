@@ -11,6 +11,7 @@ from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.federation.modes import mode_named
 from gep_fed.federation.rundir import (
     CONFIG,
+    LOST_ROUND,
     OUTCOME,
     REPORT,
     SITES,
@@ -73,6 +74,14 @@ def nothing_trained(rows: list[dict]) -> bool:
     """Whether rounds ran and none of them (each round's latest attempt) updated the model."""
     latest = latest_attempts(rows)
     return bool(latest) and not any(r.get("applied") for r in latest)
+
+
+def lost_rounds_lines(rows: list[dict]) -> list[str]:
+    """A line naming the rounds whose metrics were lost (``RunDirectory.note_lost_rounds``)."""
+    lost = [r["round"] for r in rows if r.get("metrics_lost")]
+    if not lost:
+        return []
+    return [f"round(s) {', '.join(map(str, lost))}: {LOST_ROUND}"]
 
 
 def released_unapplied_text(rows: list[dict]) -> str:
@@ -257,6 +266,7 @@ def render_report(run_dir: str | Path) -> Path:
         if best is not None:
             lines.append(f"- best model on the task's validation set: {best}")
         lines.append(f"- {replies_line(rows)}")
+    lines += [f"- **{line}**" for line in lost_rounds_lines(rows)]
     if outcome.get("interrupted"):
         lines.append(f"- **{outcome['interrupted']}**")
     elif outcome.get("stop_reason") and not refused:
@@ -332,6 +342,7 @@ def summary_lines(
     if refused:
         return [refused]
     out = [f"stopped early: {stop_reason}"] if stop_reason else []
+    out += lost_rounds_lines(rows)
     if nothing_trained(rows):
         out.insert(0, NOTHING_TRAINED)
     if fed.noise_multiplier == 0:

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from gep_fed.accounting.ledger import BudgetExceededError
 from gep_fed.federation import wire
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import CONFIG, SITE_SCORE, RunDirectory
+from gep_fed.federation.rundir import CONFIG, LOST_ROUND, SITE_SCORE, RunDirectory
 from gep_fed.federation.secure_sum import (
     ADVERTISE,
     COLLECT,
@@ -791,6 +791,8 @@ class RoundLoop:
     ) -> None:
         """Rounds ``first`` to ``last`` (fewer when the budget ends the run first), then
         save the model. ``after_round`` sees each round's record before it is written."""
+        for lost in self.server.run.note_lost_rounds(first - 1):
+            log.warning("round %d: %s", lost, LOST_ROUND)
         site_epsilon = None  # the largest epsilon the sites' own ledgers reported so far
         bar = tqdm(
             range(first, last + 1),

@@ -51,6 +51,10 @@ def round_spans(rounds: list) -> str:
     return ", ".join(out) or "?"
 
 
+# A committed round whose metrics row was never written (the run stopped in between).
+LOST_ROUND = "applied and accounted, but the run stopped before this round's metrics were written"
+
+
 def latest_attempts(metrics: list[dict]) -> list[dict]:
     """Each round's last row, in round order. A round that did not update the model is not
     checkpointed, so a resumed run plays it again and the metrics hold both attempts: the
@@ -142,6 +146,17 @@ class RunDirectory:
             fh.write(json.dumps(record, default=float) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+    def note_lost_rounds(self, committed: int) -> list[int]:
+        """Rounds 1 to ``committed`` that the checkpoint holds as applied but the metrics do
+        not (the run stopped between a round's commit and its metrics row): each gets a row
+        that says so, so a resumed run's record neither skips nor invents them. Returns
+        those rounds."""
+        recorded = {r["round"] for r in self.read_metrics() if r.get("applied")}
+        lost = [r for r in range(1, committed + 1) if r not in recorded]
+        for rnd in lost:
+            self.append_metrics({"round": rnd, "applied": True, "metrics_lost": LOST_ROUND})
+        return lost
 
     def read_metrics(self) -> list[dict]:
         path = self.file(METRICS)
