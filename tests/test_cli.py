@@ -149,6 +149,30 @@ def test_a_comparison_with_a_failed_run_marks_it_and_returns_its_failure(tmp_pat
     assert "| FedAvg (non-private, clipped) |" in table  # the other cell trained
 
 
+@pytest.mark.parametrize("noise_seed", [None, 4])
+def test_the_centralised_reference_samples_with_secret_coins_unless_its_noise_is_seeded(
+    monkeypatch, noise_seed
+):
+    """Its table reports an epsilon that assumes secret Poisson sampling: the coins came from
+    the run's public seed (0 by default) whatever the noise."""
+    from types import SimpleNamespace
+
+    from gep_fed.cli import compare
+    from gep_fed.federation.config import FederationConfig
+
+    seen = {}
+
+    def capture(*args, generator=None, noise=None, **kwargs):
+        seen.update(generator=generator, noise=noise)
+        return SimpleNamespace(epsilon=1.0)
+
+    monkeypatch.setattr(compare, "train_private", capture)
+    base = FederationConfig(num_public=100, num_basis=8, noise_seed=noise_seed)
+    compare.centralised(base, "gep", 2.0, 2)
+    assert (seen["generator"] is None) == (noise_seed is None)
+    assert seen["noise"].seeded == (noise_seed is not None)
+
+
 def test_compare_gives_every_mode_the_same_private_steps_by_default():
     """Issue 22: at equal rounds client mode took local_steps times the steps of central
     mode (digits: 100 against 10), which read as if central mode were worse."""
