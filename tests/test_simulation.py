@@ -338,6 +338,31 @@ def test_a_round_committed_before_a_crash_keeps_a_metrics_row_that_says_its_metr
     assert "**round(s) 2: applied and accounted" in render_report(result.run_dir).read_text()
 
 
+def test_a_torn_last_metrics_line_is_set_aside_when_the_run_resumes(tmp_path, monkeypatch):
+    """A run that stopped while writing a row left half a line: a resume appended its next
+    row onto it, losing that one too, and the file failed to read only at the end."""
+    from gep_fed.federation.rundir import RunDirectory
+
+    fed = FederationConfig(mode="central", rounds=2, run_dir=str(tmp_path), run_name="r", **FAST)
+    append = RunDirectory.append_metrics
+
+    def torn_at_round_two(self, record):
+        if record["round"] != 2:
+            return append(self, record)
+        with open(self.file("metrics.jsonl"), "a") as fh:
+            fh.write('{"round": 2, "test_acc')
+        raise RuntimeError("the machine went down mid-write")
+
+    monkeypatch.setattr(RunDirectory, "append_metrics", torn_at_round_two)
+    with pytest.raises(RuntimeError, match="mid-write"):
+        simulate(fed, progress=False, engine="in-process")
+    monkeypatch.setattr(RunDirectory, "append_metrics", append)
+    result = simulate(fed, progress=False, engine="in-process")
+    rows = RunDirectory(result.run_dir).read_metrics()
+    assert [(r["round"], "metrics_lost" in r) for r in rows] == [(1, False), (2, True)]
+    assert (tmp_path / "r" / "metrics.jsonl.torn").read_text() == '{"round": 2, "test_acc\n'
+
+
 def test_run_stops_before_the_round_that_would_exceed_the_budget(tmp_path):
     sigma, q = 1.5, 0.2
     two = epsilon_rdp([GEP.event(sigma, q, 2)], 1e-5)

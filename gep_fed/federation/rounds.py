@@ -791,6 +791,9 @@ class RoundLoop:
     ) -> None:
         """Rounds ``first`` to ``last`` (fewer when the budget ends the run first), then
         save the model. ``after_round`` sees each round's record before it is written."""
+        torn = self.server.run.set_aside_torn_metrics()
+        if torn is not None:
+            log.warning("the metrics file ended in a torn line, kept in metrics.jsonl.torn")
         for lost in self.server.run.note_lost_rounds(first - 1):
             log.warning("round %d: %s", lost, LOST_ROUND)
         site_epsilon = None  # the largest epsilon the sites' own ledgers reported so far

@@ -147,6 +147,26 @@ class RunDirectory:
             fh.flush()
             os.fsync(fh.fileno())
 
+    def set_aside_torn_metrics(self) -> str | None:
+        """A last metrics line without its newline (the run stopped while writing it) is
+        moved to ``metrics.jsonl.torn``, kept, so that the next row does not join it; returns
+        the text set aside, or None."""
+        path = self.file(METRICS)
+        if not path.exists():
+            return None
+        data = path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return None
+        cut = data.rfind(b"\n") + 1
+        with open(self.file(METRICS + ".torn"), "ab") as torn:
+            torn.write(data[cut:] + b"\n")
+            torn.flush()
+            os.fsync(torn.fileno())
+        with open(path, "r+b") as fh:
+            fh.truncate(cut)
+            os.fsync(fh.fileno())
+        return data[cut:].decode("utf-8", "replace")
+
     def note_lost_rounds(self, committed: int) -> list[int]:
         """Rounds 1 to ``committed`` that the checkpoint holds as applied but the metrics do
         not (the run stopped between a round's commit and its metrics row): each gets a row
