@@ -336,3 +336,45 @@ def test_the_loop_needs_no_flower():
         "assert not [m for m in sys.modules if m.startswith(('flwr', 'gep_fed.flower'))]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class TamperingGrid(SiteGrid):
+    """Node 100's collect replies: a share one coordinate short in round 1, a NaN epsilon in
+    round 2 (the others answer honestly)."""
+
+    def _train(self, node: int, content: Envelope) -> Reply:
+        reply = super()._train(node, content)
+        if node != FIRST_NODE or reply.content is None:
+            return reply
+        rnd = wire.RoundConfig.from_record(content.config(wire.ROUND_CONFIG)).round
+        records = dict(reply.content.records)
+        if rnd == 1:
+            share = records[MASKED_SHARE][MASKED_SHARE]
+            records[MASKED_SHARE] = Arrays({MASKED_SHARE: share[:-1]})
+        else:
+            records[wire.REPLY_METRICS] = Metrics(
+                {**records[wire.REPLY_METRICS], "site-epsilon": float("nan")}
+            )
+        return Reply(node, Envelope(records))
+
+
+def test_a_distributed_reply_with_a_short_share_or_bad_metrics_is_named_by_site(tmp_path):
+    """A short share was reported as "the sites' masked shares differ in length", naming no
+    site; a NaN epsilon in a collect reply was read unchecked. Each names node 100 now, and
+    the round (which needs every listed site's share) is abandoned with nothing accounted."""
+    fed = FederationConfig(
+        run_dir=str(tmp_path), run_name="r", mode="distributed", noise_shares=2, min_sites=2,
+        **{**TINY, "rounds": 2},
+    )  # fmt: skip
+    grid = TamperingGrid(fed, next(RUN_IDS))
+    loop = RoundLoop(open_server(fed, grid.run_id), progress=False)
+    loop.run(grid, 1, 2)
+    first, second = loop.server.run.read_metrics()
+    assert any(
+        r.startswith("site at node 100: field 'masked-share': shape") for r in first["rejected"]
+    ), first["rejected"]
+    assert any(
+        "site at node 100: field 'metrics.site-epsilon': not finite" in r
+        for r in second["rejected"]
+    ), second["rejected"]
+    assert loop.server.ledger.steps == 0

@@ -648,8 +648,15 @@ class RoundLoop:
                 raise wire.WireError(sender, wire.REPLY_META, "missing")
             wire.check_reply_meta(meta, sender, self.server.wire_round(rnd), self.cfg.mode)
             wire.check_reply_metrics(_metrics(reply), sender, self.server.basis_id)
-        except wire.WireError as err:
-            return str(err)
+            share = (reply.content.arrays(MASKED_SHARE) or {}).get(MASKED_SHARE)
+            expected = (self.server.quantized_dimension + 1,)  # the count, then the share
+            if share is not None and tuple(share.shape) != expected:
+                # named here: in the sum, shares of other lengths only say that they differ
+                raise wire.WireError(
+                    sender, MASKED_SHARE, f"shape {tuple(share.shape)}, not {expected}"
+                )
+        except wire.WireError as err:  # the secure sum names the site itself
+            return f"field {err.field!r}: {err.problem}"
         return None
 
     @property
