@@ -545,6 +545,22 @@ def test_a_site_that_opted_into_central_mode_records_it_as_trusted_server_noise(
     assert event.placement == "trusted-server" and event.party == "h1"
 
 
+def test_a_deployed_site_refuses_a_central_round_whose_server_noise_is_seeded(
+    tmp_path, digits, hospital
+):
+    """A run config's noise-seed fixes the trusted server's noise: whoever knows the seed
+    (every site is sent the run config) removes it. A deployed site, which has no seed, now
+    refuses such a round before anything is released; the same round unseeded is answered."""
+    trusting = {**hospital, "accept-modes": "client,central"}
+    seeded = make_server(tmp_path / "seeded", digits, mode="central", noise_seed=7)
+    assert seeded.plan_round(1).config.server_noise_seeded
+    reply, _ = answer(round_message(seeded, 1), trusting, seeded.cfg)
+    assert refused(reply, "over budget") and site_ledger(hospital).steps == 0
+    honest = make_server(tmp_path / "os", digits, mode="central")
+    reply, _ = answer(round_message(honest, 1), trusting, honest.cfg)
+    assert not reply.has_error() and site_ledger(hospital).steps == 1
+
+
 def selection_round(server, search: str, steps: int, state=None) -> Message:
     """A central round of a private selection whose trials are bounded by ``steps`` rounds."""
     from gep_fed.accounting.events import PrivacyEvent, Selection

@@ -269,10 +269,12 @@ def random_search_run_config(tmp_path: Path) -> dict:
 
 def central_sites():
     """The ClientApp of simulated sites that accept central mode and selections of up to 2
-    trials on average (their node configs')."""
+    trials on average, seeded as the search's server is (their node configs': a site without
+    a seed refuses a central round whose server noise is seeded)."""
     from gep_fed.flower import make_client_app
 
-    return make_client_app(simulation={"accept-modes": "central", "max-selection-mean": 2.0})
+    sites = {"accept-modes": "central", "max-selection-mean": 2.0, "noise-seed": 1}
+    return make_client_app(simulation=sites)
 
 
 def test_flwr_run_and_the_command_line_declare_the_same_random_search(tmp_path):

@@ -216,8 +216,12 @@ def run_audit(setup: AuditSetup, run_dir: str | None = None) -> AuditResult:
             fed, task, run, total_examples=fed.total_examples, observers=(canaries,)
         )
         budget = fed.target_epsilon
-        policy = SitePolicy(
-            budget, s.delta, accepted_modes=AUDIT_MODES[1:], noise_shares=fed.shares_needed
+        policy = SitePolicy(  # seeded, as the audit's server is: it takes its seeded rounds
+            budget,
+            s.delta,
+            accepted_modes=AUDIT_MODES[1:],
+            noise_shares=fed.shares_needed,
+            noise_seed=s.seed + 3,
         )
         sites = [
             Site(

@@ -128,6 +128,13 @@ class CentralMode(Mode):
     name = "central"
     site_placement = "trusted-server"
 
+    def refusal(self, rc, policy):
+        if rc.server_noise_seeded and policy.noise_seed is None:
+            # a seeded server's noise is removable by whoever knows the seed: only a seeded
+            # simulation's sites (tests, benchmarks) take part; a deployed site has no seed
+            return "over budget"
+        return super().refusal(rc, policy)
+
     def release(self, site, rc, subspace):
         return SiteRelease(sums=site.central_sums(subspace, rc))
 

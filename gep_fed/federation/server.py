@@ -301,6 +301,7 @@ class FederationServer:
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
             scored=self.scored,
+            server_noise_seeded=self.noise.seeded and not self.langevin,
             selection=self.selection,
         )
         return RoundPlan(

@@ -235,6 +235,9 @@ class RoundConfig:
             JSON (``SelectionTerms``): the search's id, the trial, and the selection's event,
             which the site records in its ledger once per search and under whose bound it
             keeps each trial's rounds, in a ledger of that trial's own.
+        server_noise_seeded: the server's own noise (central mode) is fixed by a seed, for
+            tests and benchmarks: whoever knows the seed can remove it, so a site without a
+            seed of its own (every deployed site) refuses the round.
     """
 
     round: int
@@ -250,6 +253,7 @@ class RoundConfig:
     layout: str
     scored: bool = False
     selection: str = ""
+    server_noise_seeded: bool = False
     protocol: int = PROTOCOL_VERSION
 
     @property
@@ -346,6 +350,7 @@ _ROUND_TYPES = {
     "layout": str,
     "scored": bool,
     "selection": str,
+    "server_noise_seeded": bool,
 }
 
 
