@@ -92,38 +92,48 @@ def test_three_site_simulation_trains_and_accounts_every_release(tmp_path, mode)
     assert result.metrics[-1]["epsilon"] == pytest.approx(8.0, abs=0.01)
 
 
-def tampering_client_app(fed, simulation):
-    """Site partition 0 corrupts its reply differently each round; the others are honest."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord
+def partition_zero_tampers(tamper):
+    """A client-app factory (``make_client_app``'s signature) whose site partition 0 answers
+    every train message as an honest site would, then ``tamper(reply, round)`` alters the
+    reply; the other sites are honest."""
     from flwr.clientapp import ClientApp
 
     from gep_fed.flower.clientapp import handle_train
 
-    app = ClientApp()
+    def make(fed, simulation):
+        app = ClientApp()
 
-    @app.train()
-    def train(msg, context):
-        reply = handle_train(msg, context, fed, simulation)
-        if context.node_config["partition-id"] != 0:
+        @app.train()
+        def train(msg, context):
+            reply = handle_train(msg, context, fed, simulation)
+            if context.node_config["partition-id"] == 0:
+                tamper(reply, msg.content.config_records[wire.ROUND_CONFIG]["round"])
             return reply
-        rnd = msg.content.config_records[wire.ROUND_CONFIG]["round"]
-        content = reply.content
-        sums = content.array_records[wire.CLIPPED_SUMS]
-        if rnd == 1:  # wrong shape
-            sums["residual"] = Array(np.zeros(7, np.float32))
-        elif rnd == 2:  # NaN
-            bad = sums["embedding"].numpy().copy()
-            bad[0] = np.nan
-            sums["embedding"] = Array(bad)
-        elif rnd == 3:  # missing key
-            content.array_records[wire.CLIPPED_SUMS] = ArrayRecord({"embedding": sums["embedding"]})
-        else:  # wrong protocol version
-            content[wire.REPLY_META] = ConfigRecord(
-                {**wire.reply_meta(rnd, "central"), "protocol": 99}
-            )
-        return reply
 
-    return app
+        return app
+
+    return make
+
+
+def _corrupt_sums(reply, rnd: int) -> None:
+    """A different corruption of a central reply each round."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    content = reply.content
+    sums = content.array_records[wire.CLIPPED_SUMS]
+    if rnd == 1:  # wrong shape
+        sums["residual"] = Array(np.zeros(7, np.float32))
+    elif rnd == 2:  # NaN
+        bad = sums["embedding"].numpy().copy()
+        bad[0] = np.nan
+        sums["embedding"] = Array(bad)
+    elif rnd == 3:  # missing key
+        content.array_records[wire.CLIPPED_SUMS] = ArrayRecord({"embedding": sums["embedding"]})
+    else:  # wrong protocol version
+        content[wire.REPLY_META] = ConfigRecord({**wire.reply_meta(rnd, "central"), "protocol": 99})
+
+
+tampering_client_app = partition_zero_tampers(_corrupt_sums)
 
 
 def test_bad_replies_are_rejected_by_name_and_the_round_goes_on(tmp_path, monkeypatch, caplog):
@@ -159,27 +169,17 @@ BAD_METRICS = [
 ]
 
 
-def tampering_metrics_app(fed, simulation):
-    """Site partition 0 sends a bad metric each round (``BAD_METRICS``); the others are honest."""
+def _bad_metric(reply, rnd: int) -> None:
+    """Round ``rnd``'s bad metric (``BAD_METRICS``) in a reply that carries metrics."""
     from flwr.app import MetricRecord
-    from flwr.clientapp import ClientApp
 
-    from gep_fed.flower.clientapp import handle_train
+    if not reply.has_error() and wire.REPLY_METRICS in reply.content.metric_records:
+        key, value, _ = BAD_METRICS[rnd - 1]
+        metrics = dict(reply.content.metric_records[wire.REPLY_METRICS])
+        reply.content[wire.REPLY_METRICS] = MetricRecord({**metrics, key: value})
 
-    app = ClientApp()
 
-    @app.train()
-    def train(msg, context):
-        reply = handle_train(msg, context, fed, simulation)
-        rnd = msg.content.config_records[wire.ROUND_CONFIG]["round"]
-        tampered = context.node_config["partition-id"] == 0 and not reply.has_error()
-        if tampered and wire.REPLY_METRICS in reply.content.metric_records:  # not advertise
-            key, value, _ = BAD_METRICS[rnd - 1]
-            metrics = dict(reply.content.metric_records[wire.REPLY_METRICS])
-            reply.content[wire.REPLY_METRICS] = MetricRecord({**metrics, key: value})
-        return reply
-
-    return app
+tampering_metrics_app = partition_zero_tampers(_bad_metric)
 
 
 @pytest.mark.parametrize("mode", ["client", "central"])
@@ -205,25 +205,16 @@ def test_a_reply_with_bad_metrics_is_rejected_by_name_before_it_is_used(
         assert metrics["sites_ok"] == 2 and metrics["applied"], metrics
 
 
-def huge_delta_app(fed, simulation):
-    """Site partition 0 replies with a finite but huge model delta (3e38 everywhere)."""
+def _huge_delta(reply, rnd: int) -> None:
+    """A finite but huge model delta: 3e38 everywhere."""
     from flwr.app import Array, ArrayRecord
-    from flwr.clientapp import ClientApp
 
-    from gep_fed.flower.clientapp import handle_train
+    arrays = reply.content.array_records[wire.MODEL_DELTA]
+    huge = {k: Array(np.full_like(a.numpy(), 3e38)) for k, a in arrays.items()}
+    reply.content[wire.MODEL_DELTA] = ArrayRecord(huge)
 
-    app = ClientApp()
 
-    @app.train()
-    def train(msg, context):
-        reply = handle_train(msg, context, fed, simulation)
-        if context.node_config["partition-id"] == 0:
-            arrays = reply.content.array_records[wire.MODEL_DELTA]
-            huge = {k: np.full_like(a.numpy(), 3e38) for k, a in arrays.items()}
-            reply.content[wire.MODEL_DELTA] = ArrayRecord({k: Array(v) for k, v in huge.items()})
-        return reply
-
-    return app
+huge_delta_app = partition_zero_tampers(_huge_delta)
 
 
 def test_a_finite_but_huge_client_delta_is_rejected_and_the_run_trains_and_resumes(
@@ -247,24 +238,14 @@ def test_a_finite_but_huge_client_delta_is_rejected_and_the_run_trains_and_resum
     assert torch.isfinite(final_weights(result.run_dir)).all()
 
 
-def extra_record_app(fed, simulation):
-    """Site partition 0 adds clipped sums (central mode's payload) to its client reply."""
+def _extra_sums(reply, rnd: int) -> None:
+    """Clipped sums (central mode's payload) added to a client reply."""
     from flwr.app import Array, ArrayRecord
-    from flwr.clientapp import ClientApp
 
-    from gep_fed.flower.clientapp import handle_train
+    reply.content[wire.CLIPPED_SUMS] = ArrayRecord({"residual": Array(np.zeros(3, np.float32))})
 
-    app = ClientApp()
 
-    @app.train()
-    def train(msg, context):
-        reply = handle_train(msg, context, fed, simulation)
-        if context.node_config["partition-id"] == 0:
-            extra = ArrayRecord({"residual": Array(np.zeros(3, np.float32))})
-            reply.content[wire.CLIPPED_SUMS] = extra
-        return reply
-
-    return app
+extra_record_app = partition_zero_tampers(_extra_sums)
 
 
 def test_a_reply_with_records_its_mode_does_not_send_is_rejected_by_name(tmp_path, monkeypatch):
