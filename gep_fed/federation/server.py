@@ -301,7 +301,9 @@ class FederationServer:
             basis_dtype=cfg.basis_dtype,
             layout=json.dumps(self.layout.to_dict()),
             scored=self.scored,
-            server_noise_seeded=self.noise.seeded and not self.langevin,
+            # only the trusted server adds noise of its own (central mode)
+            server_noise_seeded=self.noise.seeded
+            and cfg.noise_mode.site_placement == "trusted-server",
             selection=self.selection,
         )
         return RoundPlan(
