@@ -342,3 +342,26 @@ def test_a_delta_not_below_one_over_n_is_refused_by_name(tmp_path, digits):
     with pytest.raises(ConfigError, match=r"delta 0.05 is not below 1/N = 0.000696 for the 1437"):
         make_server(tmp_path, digits, delta=0.05)
     make_server(tmp_path / "ok", digits, delta=1e-5)
+
+
+def test_a_basis_capped_by_the_anchors_span_is_said_and_its_size_recorded(tmp_path, digits, caplog):
+    # 20 anchors span at most 20 directions per group: num_basis 200 cannot be met.
+    server = make_server(tmp_path, digits, num_basis=200, num_anchors=20)
+    with caplog.at_level("WARNING", logger="gep_fed.server"):
+        plan = server.plan_round(1)
+        server.plan_round(2)  # the same basis: said once
+    asked = server.layout.allocate_basis(200)
+    assert plan.basis_directions == sum(server.subspace.dims) < sum(asked)
+    said = [r.getMessage() for r in caplog.records if "num_basis 200" in r.getMessage()]
+    assert len(said) == 1 and "20 anchors span no more" in said[0]
+
+
+def test_a_basis_within_the_anchors_span_is_recorded_without_a_warning(tmp_path, digits, caplog):
+    server = make_server(tmp_path, digits, num_basis=30)
+    with caplog.at_level("WARNING", logger="gep_fed.server"):
+        plan = server.plan_round(1)
+    assert plan.basis_directions == sum(server.subspace.dims) > 0
+    assert not [r for r in caplog.records if "num_basis" in r.getMessage()]
+    assert (
+        make_server(tmp_path / "gp", digits, mechanism="gp").plan_round(1).basis_directions is None
+    )

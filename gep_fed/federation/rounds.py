@@ -502,6 +502,7 @@ class RoundLoop:
         self.info = {
             "anchor_seconds": plan.anchor_seconds,
             "anchor_projection_error": plan.anchor_projection_error,
+            "basis_directions": plan.basis_directions,
             "sites_asked": len(nodes),
         }
         sent_bytes, requests = [], []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -55,6 +56,8 @@ from gep_fed.mechanisms.step import write_gradient
 from gep_fed.mechanisms.subspace import AnchorSubspace
 from gep_fed.validation import ConfigError
 
+log = logging.getLogger("gep_fed.server")
+
 
 @dataclass(frozen=True)
 class RoundPlan:
@@ -66,6 +69,7 @@ class RoundPlan:
     basis: dict | None
     anchor_seconds: float
     anchor_projection_error: float | None
+    basis_directions: int | None  # the basis size the sites use (None: no basis)
 
 
 def validation_score(validation: Mapping[str, float]) -> float | None:
@@ -158,6 +162,7 @@ class FederationServer:
         self.gep = None if self.langevin else cfg.anchor_config
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
         self.public = _public_sample(task, cfg.num_public, self.generator)
+        self._basis_capped_said = False
         self.eval_data = task.eval_dataset()
         self.validation_data = task.validation_dataset()
         self.best: tuple[int, float] | None = None  # (round, validation score) kept so far
@@ -287,6 +292,18 @@ class FederationServer:
                 ) from err
             self.subspace = self.subspace.to(self.device)
             self.basis_id = basis_id
+            asked = self.layout.allocate_basis(cfg.num_basis)
+            if sum(self.subspace.dims) < sum(asked) and not self._basis_capped_said:
+                self._basis_capped_said = True
+                log.warning(
+                    "num_basis %d: the basis has %d directions (%s per group, asked %s): "
+                    "%d anchors span no more in some group; hold more anchors for a larger one",
+                    cfg.num_basis,
+                    sum(self.subspace.dims),
+                    list(self.subspace.dims),
+                    list(asked),
+                    min(cfg.num_anchors or len(self.public[0]), len(self.public[0])),
+                )
             anchor_seconds, proj_err = result.seconds, result.projection_error
         rc = RoundConfig(
             round=self.wire_round(round_),
@@ -312,6 +329,7 @@ class FederationServer:
             self._basis_arrays if self.mechanism.uses_subspace else None,
             anchor_seconds,
             proj_err,
+            sum(self.subspace.dims) if self.mechanism.uses_subspace else None,
         )
 
     def _wire_arrays(self) -> dict:
