@@ -104,18 +104,25 @@ def test_deployment_guide_runs_a_tls_authenticated_federation(federation):
     assert [r["sites_ok"] for r in distributed.read_metrics()] == [3]
     coordinator = PrivacyLedger.load(distributed.ledger_path)
     assert [e.placement for e in coordinator.events] == ["distributed"]
+    # the search: both candidates trained, one chosen on the coordinator's evaluation data
+    search = json.loads((deploy / "runs" / "search" / "tune.json").read_text())
+    assert [t["status"] for t in search["trials"]] == ["finished", "finished"]
+    assert "chosen: candidate" in done.stdout
     for site in range(3):
-        # each hospital's own ledger holds the three runs: 2 central rounds (noised by the
-        # trusted coordinator), 2 x 3 client-side steps and 1 distributed round (its share
-        # of the noise in the secure sum), within its budget of 8
+        # each hospital's own ledger holds the four runs: 2 central rounds (noised by the
+        # trusted coordinator), 2 x 3 client-side steps, 1 distributed round (its share
+        # of the noise in the secure sum) and the search's two one-step trials, within its
+        # budget of 8
         ledger = PrivacyLedger.load_keyed(deploy / "ledgers" / f"site-{site}.json")
         placements = [e.placement for e in ledger.events]
-        assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3 + 1
-        assert placements == ["trusted-server"] * 2 + ["local"] * 6 + ["distributed"]
+        assert ledger.owner == f"site-{site}" and ledger.steps == 2 + 2 * 3 + 1 + 2
+        assert placements == (
+            ["trusted-server"] * 2 + ["local"] * 6 + ["distributed"] + ["local"] * 2
+        )
         assert ledger.epsilon() <= 8.0
         # the secure sum ran with the split each hospital's node config set, among the peers
         # it pinned (keys made by the guide's gep-fed site keygen)
-        assert ledger.events[-1].noise_shares == 3
+        assert ledger.events[8].noise_shares == 3
         assert ledger.epsilon_if_shares_exposed() > ledger.epsilon()
     assert "epsilon" in done.stdout and "HMAC and high-water mark verified" in done.stdout
     assert "1 step(s) in secure sums" in done.stdout  # the guide's ledger show
@@ -162,7 +169,7 @@ def kill_group(pidfile: Path) -> None:
 def test_a_dead_supernode_and_a_restarted_server_lose_and_repeat_nothing(federation):
     deploy, env = federation
     run_dir = deploy / "runs" / "faults"
-    # a small target: the sites' budgets of 8 already hold the guide's three runs. A round
+    # a small target: the sites' budgets of 8 already hold the guide's four runs. A round
     # takes ~10 s alone but over 25 s on CI's 2 loaded cores (a live site then misses it),
     # and round 2 waits the whole timeout for the dead site
     command = (

@@ -365,3 +365,57 @@ def test_a_basis_within_the_anchors_span_is_recorded_without_a_warning(tmp_path,
     assert (
         make_server(tmp_path / "gp", digits, mechanism="gp").plan_round(1).basis_directions is None
     )
+
+
+@pytest.mark.parametrize("mechanism", ["gp", "langevin"])
+def test_a_client_sites_update_says_nothing_of_how_many_examples_it_holds(mechanism):
+    """Add/remove adjacency keeps a site's count private: its update is normalised by the
+    public size the round declares, so examples that add nothing (zero inputs to a linear
+    model without bias: zero gradients) leave a site's noisy update unchanged. Normalised by
+    its own count, the update's noise would scale with it: a variance test over many
+    coordinates then tells whether one example was added."""
+    import json
+
+    from gep_fed.federation.wire import RoundConfig
+    from gep_fed.mechanisms.contract import PrivacyContract
+    from gep_fed.mechanisms.groups import ParameterLayout
+    from gep_fed.mechanisms.noise import NoiseSource
+
+    contract = (
+        PrivacyContract("gp", 1.0, 0.5, clip_norm=1.0)
+        if mechanism == "gp"
+        else PrivacyContract("langevin", 0.0, 0.5, clip_norm=1.0, langevin_beta0=0.1)
+    )
+
+    def update(count: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 3, bias=False))
+        data = torch.utils.data.TensorDataset(torch.zeros(count, 6), torch.zeros(count).long())
+        rc = RoundConfig(
+            round=1,
+            last_round=1,
+            mode="client",
+            privacy=contract,
+            local_steps=2,
+            local_lr=1.0,
+            local_momentum=0.0,
+            augmentation_copies=0,
+            basis_id=-1,
+            basis_dtype="float32",
+            layout=json.dumps(ParameterLayout.from_model(model).to_dict()),
+            site_examples=100,
+        )
+        site = Site(
+            "s",
+            model,
+            data,
+            SitePolicy(50.0, 1e-5),
+            ledger=PrivacyLedger(1e-5, 50.0, "s"),
+            noise=NoiseSource(7),
+            sampler_generator=torch.Generator().manual_seed(1),
+        )
+        return site.run_round(rc, None).delta
+
+    alone, with_more = update(100), update(300)
+    assert alone.abs().sum() > 0  # the noise itself
+    assert torch.equal(alone, with_more)

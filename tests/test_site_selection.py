@@ -153,7 +153,7 @@ def test_a_site_takes_part_in_a_selection_in_central_mode_only(mode, refused):
     """The selection's bound covers what a trusted server publishes; in client and
     distributed mode the server sees every trial's releases, so a site refuses a selection
     there even where it accepts the mode."""
-    rc = replace(round_config(), mode=mode)
+    rc = replace(round_config(), mode=mode, site_examples=300 if mode == "client" else 0)
     rc = replace(rc, selection=SelectionTerms(SEARCH, 1, selection()).to_json())
     assert wire.RoundConfig.from_record(rc.to_record()) == rc
     policy = SitePolicy(

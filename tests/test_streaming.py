@@ -46,7 +46,7 @@ def test_a_site_reads_exactly_the_examples_its_poisson_samples_take(tmp_path):
     )
     run = RunDirectory(fed.run_directory(0))
     run.path.mkdir(parents=True)
-    server = FederationServer(fed, task, run, total_examples=None)
+    server = FederationServer(fed, task, run, total_examples=len(task.train_dataset()))
     plan = server.plan_round(1)
     data = CountingDataset(task.train_dataset())
     site = Site(

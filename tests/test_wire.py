@@ -86,6 +86,7 @@ def round_config() -> wire.RoundConfig:
         basis_id=0,
         basis_dtype="float16",
         layout=json.dumps(LAYOUT.to_dict()),
+        site_examples=300,
     )
 
 
@@ -127,6 +128,10 @@ def test_round_config_round_trips_and_refuses_other_protocol_versions():
         ({"selection": "not json"}, "selection"),
         ({"selection": 3}, "selection"),
         ({"selection": '{"search": "ab", "trial": 1, "event": {}}'}, "selection"),
+        # client mode: every site normalises by this public size; elsewhere the server does
+        ({"site_examples": 0}, "site_examples"),
+        ({"site_examples": 300.0}, "site_examples"),
+        ({"mode": "central"}, "site_examples"),
     ],
 )
 def test_a_bad_round_config_value_is_a_wire_error_naming_it(change, field):

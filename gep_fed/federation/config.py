@@ -159,8 +159,11 @@ class FederationConfig:
             ``noise_multiplier`` is None. Each site enforces its own budget too.
         sample_rate: q, every site's Poisson rate; central mode accounts the union of the
             sites' data at this rate and normalises by ``q * total_examples``.
-        total_examples: N, the declared size of the union of the sites' data (central mode);
-            None lets a simulation use its partitions' sizes. Never a count sent by a site.
+        total_examples: N, the declared size of the union of the sites' data: central and
+            distributed mode normalise the noisy sum by ``q N``, and in client mode every
+            site normalises its own by ``q N / num_sites`` (a public number: a site's own
+            count would show in its update's noise). None lets a simulation use its pooled
+            size; a deployment declares it. Never a count sent by a site.
         clip_embedding, clip_residual, clip_norm: S1, S2 (GEP, B-GEP) and S (GP).
         noise_seed: fixes the server's noise, and in ``simulate`` the simulated sites' (tests
             and benchmarks only: a known seed voids privacy). A deployed site's noise is
@@ -235,8 +238,8 @@ class FederationConfig:
     )
     total_examples: int | None = _opt(
         None,
-        "N, the declared size of the union of the sites' data (central-mode "
-        "normalisation q*N); default: the simulation's pooled size",
+        "N, the declared size of the union of the sites' data (normalisation: q*N, in "
+        "client mode q*N/num-sites at each site); default: the simulation's pooled size",
     )
     clip_embedding: float = _opt(1.0, "S1: bound on each example's embedding norm (noise sigma*S1)")
     clip_residual: float = _opt(1.0, "S2: bound on each example's residual norm (noise sigma*S2)")

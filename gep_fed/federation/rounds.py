@@ -323,7 +323,7 @@ def open_server(
     try:
         task = fed.make_task()
         total = fed.total_examples
-        if total is None and fed.noise_mode.server_steps:  # a simulation: the pooled data
+        if total is None:  # a simulation: the pooled data
             total = len(task.train_dataset())
             log.info("total-examples not declared: the simulation's pooled size N=%d", total)
         server = FederationServer(

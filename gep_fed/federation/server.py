@@ -101,8 +101,9 @@ class FederationServer:
         task: the task: the server builds its model and reads only its public anchors and its
             evaluation data.
         run: the run directory (ledger, metrics, checkpoints).
-        total_examples: N, the declared union size (central mode normalisation; None in
-            client-side mode, where each site divides by its own size).
+        total_examples: N, the declared union size: central and distributed mode divide
+            the noisy sum by ``q N``; in client mode each site divides its own by ``q N /
+            num_sites`` (``RoundConfig.site_examples``). Required in client mode.
         observers: release observers (``gep_fed.mechanisms.observer``): each sees every
             central release once the server's noise is added. The server forms no clipped
             sums, so it asks none of them for rows. Never attached in a real run.
@@ -153,6 +154,15 @@ class FederationServer:
                 "example to leak whole; give a delta well below 1/N"
             )
         self.total_examples = total_examples
+        # client mode: the public size every site normalises by, never a site's own count
+        self.site_examples = 0
+        if not cfg.noise_mode.server_steps:
+            if not total_examples:
+                raise ConfigError(
+                    "client mode needs total_examples, N, the declared size of the sites' "
+                    "data: each site normalises its noisy sums by the public N / num_sites"
+                )
+            self.site_examples = max(1, round(total_examples / cfg.num_sites))
         # Langevin sites add their own noise from beta0 and account per step themselves.
         self.langevin = cfg.mechanism == "langevin"
         # One contract, sigma resolved once: sent to every site and the source of the
@@ -322,6 +332,7 @@ class FederationServer:
             server_noise_seeded=self.noise.seeded
             and cfg.noise_mode.site_placement == "trusted-server",
             selection=self.selection,
+            site_examples=self.site_examples,
         )
         return RoundPlan(
             rc,

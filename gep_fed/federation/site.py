@@ -285,7 +285,7 @@ class Site:
     def langevin_events(self, rc: RoundConfig) -> list[PrivacyEvent]:
         """A Langevin round's events: step-dependent and dependent on this site's size."""
         return self._langevin_trainer(rc).multi_pass_events(
-            len(self._langevin_examples[1]), _first_langevin_step(rc), rc.local_steps
+            rc.site_examples, _first_langevin_step(rc), rc.local_steps
         )
 
     def _sample(self, rate: float) -> torch.Tensor:
@@ -332,7 +332,7 @@ class Site:
             self.model,
             None,
             GEPConfig(rc.privacy, max_chunk=self.max_chunk),
-            dataset_size=self.num_examples,
+            dataset_size=rc.site_examples,  # public: the site's own count would leak
             loss_fn=self.loss_fn,
             noise=self.noise,
             ledger=self.ledger,
@@ -356,7 +356,7 @@ class Site:
             grad_bound=rc.privacy.clip_norm,
             beta0=rc.privacy.langevin_beta0,
             steps=rc.local_steps,
-            batch=max(1, round(rc.privacy.sample_rate * len(self._langevin_examples[1]))),
+            batch=max(1, round(rc.privacy.sample_rate * rc.site_examples)),
             delta=self.policy.delta,
         )
         return LangevinTrainer(
@@ -377,15 +377,19 @@ class Site:
         trainer = self._langevin_trainer(rc)
         inputs, targets = self._langevin_examples
         trainer.fit(
-            inputs.to(self.device), targets.to(self.device), first_step=_first_langevin_step(rc)
+            inputs.to(self.device),
+            targets.to(self.device),
+            first_step=_first_langevin_step(rc),
+            dataset_size=rc.site_examples,  # public: the schedule follows no private count
         )
         return layout.flatten_params(self.model) - before
 
     @cached_property
     def _langevin_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Langevin runs on linear models over small feature sets: its data fit in memory.
-        Its epsilon depends on the data size, so examples that fail their checks are left
-        out of both the training and the accounting (n is their count, as public as n)."""
+        Examples that fail their checks are left out of the training, as a non-finite
+        gradient is elsewhere; the schedule and the accounting follow the declared n
+        (``RoundConfig.site_examples``), never this count."""
         inputs, targets, valid = stack_examples(self.dataset)
         return inputs[valid], targets[valid]
 

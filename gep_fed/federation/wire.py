@@ -47,7 +47,8 @@ from gep_fed.validation import (
 # 7: the round config carries selection (a random number of trials, recorded by the site).
 # 8: a distributed round's keys are signed over the digest of its settings, and its vectors
 #    are masked modulo the shares' own 2**bits (secure sum v2).
-PROTOCOL_VERSION = 8
+# 9: a client-mode round carries site_examples, the public size each site normalises by.
+PROTOCOL_VERSION = 9
 
 # Record names in a message's RecordDict.
 GLOBAL_MODEL = "global-model"  # server -> site: model state, float32, keys = state_dict names
@@ -238,6 +239,11 @@ class RoundConfig:
         server_noise_seeded: the server's own noise (central mode) is fixed by a seed, for
             tests and benchmarks: whoever knows the seed can remove it, so a site without a
             seed of its own (every deployed site) refuses the round.
+        site_examples: client mode: n, the declared number of examples per site (the
+            declared N over the sites), by which every site normalises its noisy sums (its
+            expected batch is q n) and Langevin's schedule runs. A public number: a site's own
+            count would set the scale of its update's noise and tell whether one example
+            was added. 0 in the other modes, where the server normalises.
     """
 
     round: int
@@ -254,6 +260,7 @@ class RoundConfig:
     scored: bool = False
     selection: str = ""
     server_noise_seeded: bool = False
+    site_examples: int = 0
     protocol: int = PROTOCOL_VERSION
 
     @property
@@ -317,6 +324,10 @@ class RoundConfig:
             "augmentation_copies": AUGMENTATION_COPIES.contains(cfg.augmentation_copies),
             "basis_id": cfg.basis_id >= -1,
             "basis_dtype": cfg.basis_dtype in BASIS_DTYPES,
+            # a client-mode site normalises by it; elsewhere the server does
+            "site_examples": AT_LEAST_ONE.contains(cfg.site_examples)
+            if cfg.mode == "client"
+            else cfg.site_examples == 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -351,6 +362,7 @@ _ROUND_TYPES = {
     "scored": bool,
     "selection": str,
     "server_noise_seeded": bool,
+    "site_examples": int,
 }
 
 
