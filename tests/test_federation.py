@@ -419,3 +419,32 @@ def test_a_client_sites_update_says_nothing_of_how_many_examples_it_holds(mechan
     alone, with_more = update(100), update(300)
     assert alone.abs().sum() > 0  # the noise itself
     assert torch.equal(alone, with_more)
+
+
+def test_a_run_directory_is_run_by_one_process_at_a_time(tmp_path):
+    """A second process with the same run name overwrote a finished run's checkpoint and
+    interleaved its metrics: the directory is now locked for as long as a run holds it (the
+    operating system releases the lock when the process ends, however it ends)."""
+    import subprocess
+    import sys
+
+    from gep_fed.federation.rounds import open_server
+    from gep_fed.federation.rundir import RunDirectoryError
+
+    fed = FederationConfig(run_dir=str(tmp_path), run_name="r", rounds=2, local_steps=1)
+    first = open_server(fed, 0)
+    config = (tmp_path / "r" / "config.json").read_text()
+    with pytest.raises(RunDirectoryError, match="being run by another process"):
+        open_server(fed, 0)
+    holder = (
+        "import fcntl, sys\n"
+        f"f = open({str(tmp_path / 'r' / 'run.lock')!r}, 'a')\n"
+        "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n"
+        "    sys.exit(3)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", holder]).returncode == 3  # another process
+    first.close()
+    assert subprocess.run([sys.executable, "-c", holder]).returncode == 0
+    second = open_server(fed, 0)  # the run is over: it may be resumed
+    second.close()
+    assert (tmp_path / "r" / "config.json").read_text() == config

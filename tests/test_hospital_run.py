@@ -284,6 +284,43 @@ def test_a_run_that_crashes_after_its_first_round_keeps_the_record_of_its_sites(
                  engine="in-process")  # fmt: skip
 
 
+def test_a_run_that_crashes_inside_its_first_commit_keeps_the_record_of_its_sites(
+    tmp_path, monkeypatch
+):
+    """The record was written with round 1's metrics row, after its checkpoint and ledger: a
+    crash in between left a resumable run without it, and a renamed site then trained on
+    under a fresh ledger. The record is now written before anything can train."""
+    from gep_fed.federation.rundir import RunDirectory
+    from gep_fed.validation import ConfigError
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=2, mode="client")
+
+    def crash(self, record):
+        raise RuntimeError("the machine went down")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(RunDirectory, "append_metrics", crash)
+        with pytest.raises(RuntimeError, match="went down"):
+            simulate(fed, progress=False, site_data=folders, engine="in-process")
+    assert (tmp_path / "runs" / "r" / "checkpoint.pt").exists()
+    renamed = {"hospital-a": folders["hospital-a"], "hospital-c": folders["hospital-b"]}
+    with pytest.raises(ConfigError, match=r"was trained on the sites' own data"):
+        simulate(fed, progress=False, site_data=renamed, engine="in-process")
+    (tmp_path / "runs" / "r" / "sites.json").unlink()  # as an older version could leave it
+    with pytest.raises(ConfigError, match=r"has trained \(it holds a checkpoint\) but has no"):
+        simulate(fed, progress=False, site_data=renamed, engine="in-process")
+
+
+def test_a_run_that_fails_before_training_leaves_no_run_directory(tmp_path):
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    # refused by the server, once the run has started: delta not below 1/N for 80 examples
+    fed = tiny(tmp_path, rounds=2, mode="client", delta=0.05)
+    with pytest.raises(Exception, match="not below 1/N"):
+        simulate(fed, progress=False, site_data=folders, engine="in-process")
+    assert not (tmp_path / "runs" / "r").exists()
+
+
 def test_a_run_resumed_with_other_sites_or_data_is_refused_and_its_record_kept(tmp_path):
     """A renamed site would train on under a fresh ledger, though its data had spent
     budget; another folder would train on other data; either would overwrite the record of

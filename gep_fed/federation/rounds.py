@@ -320,6 +320,7 @@ def open_server(
     run = RunDirectory(fed.run_directory(run_id))
     fresh = not run.path.exists()
     run.path.mkdir(parents=True, exist_ok=True)
+    lock = run.lock()  # held until the run ends (FederationServer.close)
     try:
         task = fed.make_task()
         total = fed.total_examples
@@ -329,24 +330,26 @@ def open_server(
         server = FederationServer(
             fed, task, run, total, round_offset=round_offset, scored=scored, selection=selection
         )
+        previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None
+        resolved = {
+            **fed.to_record(),
+            "resolved-noise-multiplier": server.contract.noise_multiplier,
+            "resolved-total-examples": total,
+            "noise": repr(server.noise),
+        }
+        if previous is not None and previous != resolved:
+            changed = sorted(k for k in resolved if previous.get(k) != resolved[k])
+            raise ValueError(
+                f"{run.path} was started with a different configuration ({changed}); resume "
+                "it with the same settings or start a new run"
+            )
+        run.write_json(CONFIG, resolved)
     except BaseException:
+        lock.close()
         if fresh:  # a run that never started leaves no empty run directory behind
             shutil.rmtree(run.path, ignore_errors=True)
         raise
-    previous = run.read_json(CONFIG) if run.file(CONFIG).exists() else None
-    resolved = {
-        **fed.to_record(),
-        "resolved-noise-multiplier": server.contract.noise_multiplier,
-        "resolved-total-examples": total,
-        "noise": repr(server.noise),
-    }
-    if previous is not None and previous != resolved:
-        changed = sorted(k for k in resolved if previous.get(k) != resolved[k])
-        raise ValueError(
-            f"{run.path} was started with a different configuration ({changed}); resume it "
-            "with the same settings or start a new run"
-        )
-    run.write_json(CONFIG, resolved)
+    server.run_lock = lock
     return server
 
 

@@ -6,6 +6,7 @@ line, so a crash never leaves a half-written record and never removes an earlier
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -32,6 +33,8 @@ SITES = "sites.json"
 SITE_ROUNDS = "rounds.jsonl"
 # The sites' noised score of the final model, where the run asked for one.
 SITE_SCORE = "site_score.json"
+# Held (flock) by the process running the directory, so that no second one runs it at once.
+LOCK = "run.lock"
 
 
 class RunDirectoryError(ValueError):
@@ -110,6 +113,22 @@ class RunDirectory:
         if not (run.path / CONFIG).exists():
             raise RunDirectoryError(f"{run.path} is not a gep-fed run directory (no {CONFIG})")
         return run
+
+    def lock(self):
+        """Hold this directory for one process: an exclusive lock on its ``run.lock`` for as
+        long as the returned file stays open (the operating system releases it when the
+        process ends, however it ends). A second process running the same directory at once
+        would overwrite the first one's checkpoint and metrics: it is refused by name."""
+        held = open(self.file(LOCK), "a")  # noqa: SIM115 (kept open: the lock lives with it)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
+            raise RunDirectoryError(
+                f"{self.path} is being run by another process (its {LOCK} is held): wait for "
+                "that run to end, or give this one another run name"
+            ) from None
+        return held
 
     def checkpoint_round(self) -> int:
         """The last round this directory's checkpoint holds (0: none), read without loading

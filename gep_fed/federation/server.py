@@ -173,6 +173,7 @@ class FederationServer:
         self.generator = torch.Generator().manual_seed(cfg.seed)  # public randomness
         self.public = _public_sample(task, cfg.num_public, self.generator)
         self._basis_capped_said = False
+        self.run_lock = None  # the run directory's lock, where ``open_server`` took it
         self.eval_data = task.eval_dataset()
         self.validation_data = task.validation_dataset()
         self.best: tuple[int, float] | None = None  # (round, validation score) kept so far
@@ -345,6 +346,12 @@ class FederationServer:
 
     def _wire_arrays(self) -> dict:
         return {k: as_wire_array(v) for k, v in self._basis_arrays.items()}
+
+    def close(self) -> None:
+        """The run is over: let another process run its directory."""
+        if self.run_lock is not None:
+            self.run_lock.close()
+            self.run_lock = None
 
     @property
     def basis_nbytes(self) -> int:

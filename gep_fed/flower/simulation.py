@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -22,6 +23,8 @@ from gep_fed.federation.policy import (
     DEFAULT_MAX_LOCAL_STEPS,
 )
 from gep_fed.federation.rundir import (
+    CHECKPOINT,
+    LOCK,
     SITES,
     RunDirectory,
     read_site_rounds,
@@ -223,10 +226,18 @@ def formed_sites(fed: FederationConfig, site_data: Mapping[str, str] | None) -> 
 def check_same_sites(fed: FederationConfig, formed: dict) -> None:
     """A resumed run keeps the sites and data it was trained on: other sites' data would
     train on under ledgers started afresh (a renamed site's), and the record of which data
-    trained the earlier rounds would be overwritten. Raises ``ConfigError`` naming both."""
+    trained the earlier rounds would be overwritten. Raises ``ConfigError`` naming both, or
+    naming the missing record of a run that has trained (a checkpoint without ``sites.json``).
+    A run without a checkpoint has trained nothing: its record is written again."""
     run = RunDirectory(fed.run_directory(""))
-    if not run.file(SITES).exists():
+    if not run.file(CHECKPOINT).exists():
         return
+    if not run.file(SITES).exists():
+        raise ConfigError(
+            f"{run.path} has trained (it holds a checkpoint) but has no record of which sites' "
+            f"data trained it ({SITES}): restore that file to resume it, or start a new run "
+            "(another --run-name)"
+        )
     before = run.read_json(SITES)
     if "site-data" in before:  # runs recorded before paths were made absolute
         before = {"site-data": {n: str(Path(p).resolve()) for n, p in before["site-data"].items()}}
@@ -373,12 +384,13 @@ def simulate(
     committed = [RunDirectory(fed.run_directory("")).checkpoint_round()]
 
     run = RunDirectory(fed.run_directory(""))
+    fresh = not run.path.exists()
+    # before anything can train: no checkpoint may exist without the record of which sites'
+    # data trained it (a renamed site would otherwise resume under a fresh ledger)
+    run.path.mkdir(parents=True, exist_ok=True)
+    run.write_json(SITES, formed)
 
     def on_committed(record: dict) -> None:
-        if record.get("applied") and committed[0] == 0 and not run.file(SITES).exists():
-            # with the first checkpoint: a crash must not leave a resumable run without the
-            # record of which sites' data trained it
-            run.write_json(SITES, formed)
         committed[0] = record["round"] if record.get("applied") else committed[0]
         if on_round is not None:
             on_round(record)
@@ -394,9 +406,11 @@ def simulate(
         )
         sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
         client_app = make_client_app(fed, sites)
-        launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
-    if run.path.is_dir():
-        run.write_json(SITES, formed)
+        try:
+            launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
+        finally:
+            if fresh and {p.name for p in run.path.iterdir()} <= {SITES, LOCK}:
+                shutil.rmtree(run.path)  # a run that never started leaves nothing behind
     outcome = done.get("outcome")
     if outcome is None:
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")

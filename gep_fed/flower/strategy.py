@@ -323,27 +323,31 @@ class GEPStrategy(Strategy):
             )
         num_rounds = num_rounds or self.cfg.rounds
         timeout = timeout or self.cfg.round_timeout
-        self.summary()
-        first = self.restore(initial_arrays) + 1
-        result = Result()
-        if evaluate_fn is not None:
-            extra = evaluate_fn(first - 1, self.global_arrays())
-            if extra is not None:
-                # before any round: a clash found after a round was committed lost its record
-                clash = sorted(k for k in extra if recorded_by_the_loop(k))
-                if clash:
-                    raise ValueError(
-                        f"evaluate_fn returned {clash}: GEPStrategy records these keys (and "
-                        f"{', '.join(p + '*' for p in ROUND_RECORD_PREFIXES)}) itself; rename them"
-                    )
-                result.evaluate_metrics_serverapp[first - 1] = extra
+        try:
+            self.summary()
+            first = self.restore(initial_arrays) + 1
+            result = Result()
+            if evaluate_fn is not None:
+                extra = evaluate_fn(first - 1, self.global_arrays())
+                if extra is not None:
+                    # before any round: a clash found after a round was committed lost its record
+                    clash = sorted(k for k in extra if recorded_by_the_loop(k))
+                    if clash:
+                        raise ValueError(
+                            f"evaluate_fn returned {clash}: GEPStrategy records these keys "
+                            f"(and {', '.join(p + '*' for p in ROUND_RECORD_PREFIXES)}) itself; "
+                            "rename them"
+                        )
+                    result.evaluate_metrics_serverapp[first - 1] = extra
 
-        def after_round(rnd: int, record: dict, train: dict | None) -> None:
-            if train is not None:
-                result.train_metrics_clientapp[rnd] = MetricRecord(train)
-            extra = evaluate_fn(rnd, self.global_arrays()) if evaluate_fn is not None else None
-            result.evaluate_metrics_serverapp[rnd] = _merge(record, extra)
+            def after_round(rnd: int, record: dict, train: dict | None) -> None:
+                if train is not None:
+                    result.train_metrics_clientapp[rnd] = MetricRecord(train)
+                extra = evaluate_fn(rnd, self.global_arrays()) if evaluate_fn is not None else None
+                result.evaluate_metrics_serverapp[rnd] = _merge(record, extra)
 
-        self.loop.run(FlowerGrid(grid), first, num_rounds, timeout, after_round)
-        result.arrays = self.global_arrays()
-        return result
+            self.loop.run(FlowerGrid(grid), first, num_rounds, timeout, after_round)
+            result.arrays = self.global_arrays()
+            return result
+        finally:
+            self.server.close()  # another process may now run this directory
