@@ -4,6 +4,7 @@ import gzip
 
 import numpy as np
 import pytest
+import torch
 from conftest import shared_file
 
 from gep_fed.data import partition
@@ -185,3 +186,31 @@ def test_a_process_splits_the_same_labels_once_and_each_caller_gets_its_own_arra
     multilabel = np.stack([labels % 2, labels > 4], axis=1)  # one row of labels per example
     rows = np.concatenate(partition_indices(multilabel, 3, "iid", seed=0))
     assert sorted(rows.tolist()) == list(range(len(labels)))
+
+
+def test_an_example_with_non_finite_inputs_is_named_by_the_check_and_never_trained():
+    """A NaN feature gave a NaN gradient, clip factor 0, counted nowhere: the run and the site
+    check said nothing of it. The check now names it; training leaves it out as before."""
+    from gep_fed.data.models import MLP
+    from gep_fed.data.task import CheckedExamples
+
+    x = torch.zeros(4, 3)
+    x[2, 1], x[3, 0] = float("nan"), float("inf")
+    data = torch.utils.data.TensorDataset(x, torch.tensor([0, 1, 0, 1]))
+    checked = CheckedExamples.of(data, "multiclass", MLP(3, 2, hidden=()))
+    assert [checked.problem(i) for i in range(4)] == [
+        None,
+        None,
+        "1 input value(s) not finite (NaN or inf)",
+        "1 input value(s) not finite (NaN or inf)",
+    ]
+    assert [bool(checked[i][2]) for i in range(4)] == [True, True, False, False]
+
+
+def test_an_empty_data_set_is_named_as_empty():
+    from gep_fed.data.models import MLP
+    from gep_fed.data.task import CheckedExamples
+
+    empty = torch.utils.data.TensorDataset(torch.zeros(0, 3), torch.zeros(0).long())
+    with pytest.raises(DataError, match="holds no examples"):
+        CheckedExamples.of(empty, "multiclass", MLP(3, 2, hidden=()))

@@ -218,6 +218,32 @@ def test_a_folder_matching_no_declared_class_is_reported_with_its_image_count(tm
     assert ds.targets().tolist() == [0, 1, 1, 3, 3, 3] and ds.missing_classes == ["class2"]
 
 
+def test_undeclared_classes_are_the_folders_holding_images_so_an_empty_one_shifts_no_label(
+    tmp_path,
+):
+    """Without declared classes an empty ``archive/`` counted as class 0: every label after
+    it moved up by one (a run with --drop-bad-examples trained normal images as pneumonia)."""
+    image = np.zeros((2, 2), np.uint8)
+    write_pngs(tmp_path, {"normal": [image] * 2, "pneumonia": [image]})
+    (tmp_path / "archive").mkdir()
+    ds = ImageFolderDataset(tmp_path)
+    assert ds.classes == ["normal", "pneumonia"] and ds.targets().tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize("where", ["top", "hidden"])
+def test_images_outside_any_class_folder_are_named_not_left_out(tmp_path, where):
+    """Images in the data folder itself (or in a hidden folder) have no label: they were
+    skipped without a word, and the site check said ready."""
+    image = np.zeros((2, 2), np.uint8)
+    write_pngs(tmp_path, {"normal": [image], "pneumonia": [image]})
+    write_pngs(tmp_path, {"." if where == "top" else ".normal": [image] * 3})
+    message = r"3 image\(s\) in the folder itself" if where == "top" else "hidden folder '.normal'"
+    with pytest.raises(DataError, match=message + ".*outside any class folder"):
+        ImageFolderDataset(tmp_path)
+    with pytest.raises(DataError, match="outside any class folder"):
+        ImageFolderDataset(tmp_path, classes=["normal", "pneumonia"])
+
+
 def test_image_files_of_a_format_the_task_does_not_read_are_named_not_left_out(tmp_path):
     """A .tif among PNGs was skipped without a word, and the site check said ready."""
     image = np.zeros((2, 2), np.uint8)

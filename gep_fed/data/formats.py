@@ -517,14 +517,16 @@ class _FolderDataset(ImageDataset):
     """One sub-folder of ``root`` per class (searched recursively), labels from folder names.
 
     ``classes``: the class folder names in label order. Declare them: by default they are this
-    site's sub-folders in sorted order (``classes_declared`` False), so a site lacking one class
-    would number the others differently from its peers; ``class_disagreement`` compares the
-    sites' ``classes`` before round 1. With declared classes a site may lack some (their
-    folders missing or empty: ``missing_classes``), and a sub-folder holding images that
-    matches no declared class raises ``DataError`` naming it and its image count (a folder
-    without images, such as ``notes/``, is ignored). In memory: the file paths and their
-    labels. Unless the transform declares ``size`` and ``channels``, every image must match
-    the first file (read from its header, once), whatever order items are read in.
+    site's sub-folders holding images, in sorted order (``classes_declared`` False), so a site
+    lacking one class would number the others differently from its peers;
+    ``class_disagreement`` compares the sites' ``classes`` before round 1. With declared
+    classes a site may lack some (their folders missing or empty: ``missing_classes``), and a
+    sub-folder holding images that matches no declared class raises ``DataError`` naming it
+    and its image count (a folder without images, such as ``notes/``, is ignored). Images
+    outside any class folder (in ``root`` itself, or in a hidden folder) raise ``DataError``:
+    they have no label. In memory: the file paths and their labels. Unless the transform
+    declares ``size`` and ``channels``, every image must match the first file (read from its
+    header, once), whatever order items are read in.
     """
 
     def __init__(self, root, transform, classes, extensions) -> None:
@@ -537,14 +539,33 @@ class _FolderDataset(ImageDataset):
             )
             raise DataError(f"data folder {self.root} {what}")
         extensions = tuple(e.lower() for e in extensions)
+        images = (*extensions, *IMAGE_SUFFIXES)
+        # images outside any class folder have no label: never left out unseen
+        loose = [p for p in self.root.iterdir() if p.is_file() and p.suffix.lower() in images]
+        hidden = [
+            p
+            for p in self.root.iterdir()
+            if p.is_dir() and p.name.startswith(".") and _files(p, images)
+        ]
+        if loose or hidden:
+            where = [f"{len(loose)} image(s) in the folder itself"] if loose else []
+            where += [f"images in the hidden folder {p.name!r}" for p in hidden]
+            raise DataError(
+                f"{self.root}: {'; '.join(where)}, outside any class folder, so without a "
+                "label: move each into its class's folder, or out of the data folder"
+            )
         folders = sorted(
             p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
         )
         self.classes_declared = classes is not None
         if classes is None:
-            classes = folders
+            # a folder without images (``notes/``, an empty ``archive/``) is no class: counted,
+            # it would shift the labels of every class after it
+            classes = [name for name in folders if _files(self.root / name, images)]
             if not classes:
-                raise DataError(f"{self.root} has no class folders (one sub-folder per class)")
+                raise DataError(
+                    f"{self.root} has no class folders holding images (one sub-folder per class)"
+                )
         self.classes = list(classes)
         # A folder of images that matches no declared class (a misspelt "clas3") is fatal,
         # never left out: unlike one corrupt example, which a run drops silently, it is the

@@ -292,6 +292,8 @@ class CheckedExamples(Dataset):
     def of(cls, dataset: Dataset, kind: str, model: nn.Module) -> CheckedExamples:
         """Wrap ``dataset``; its first readable example with a valid target (for ``model``'s
         output size) fixes the input shape and the target type."""
+        if len(dataset) == 0:
+            raise DataError("the data set holds no examples")
         first = None  # what was wrong with the first example, for the error
         for i in range(min(len(dataset), cls.REFERENCE_SEARCH)):
             try:
@@ -324,6 +326,8 @@ class CheckedExamples(Dataset):
             return f"cannot be read: {err}"
         if x.shape != self.placeholder[0].shape:
             return f"input shape {tuple(x.shape)}, expected {tuple(self.placeholder[0].shape)}"
+        if not bool(torch.isfinite(x).all()):
+            return f"{int((~torch.isfinite(x)).sum())} input value(s) not finite (NaN or inf)"
         if not target_is_valid(self.kind, self.num_outputs, y):
             outputs = f"{self.num_outputs} output(s)"
             return f"target {y.tolist()} does not suit a {self.kind} model of {outputs}"
@@ -340,6 +344,7 @@ class CheckedExamples(Dataset):
                 x.shape == self.placeholder[0].shape
                 and y.shape == self.placeholder[1].shape
                 and target_is_valid(self.kind, self.num_outputs, y)
+                and bool(torch.isfinite(x).all())
             )
         except Exception:  # counted nowhere; ``problem(i)`` tells the site's own check
             ok = False
