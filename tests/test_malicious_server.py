@@ -577,9 +577,9 @@ def selection_round(server, search: str, steps: int, state=None) -> Message:
 def test_a_selection_round_refused_after_its_terms_are_read_spends_nothing(
     tmp_path, digits, hospital, fault
 ):
-    """The site records a selection when its trial first releases: a round refused later
-    (a malformed model; more rounds planned than one trial may hold) leaves the ledger as it
-    was, where it had charged the whole selection with nothing released."""
+    """A selection's round refused after its terms are read (a malformed model; more rounds
+    planned than one trial may hold) leaves the site's ledger as it was: once it charged the
+    whole selection with nothing released."""
     server = make_server(tmp_path, digits, mode="central", rounds=5, local_steps=1)
     opted = {**hospital, "accept-modes": "client,central", "max-selection-mean": 2.0}
     state = {k: v.copy() for k, v in server.plan_round(1).state.items()}
@@ -590,9 +590,9 @@ def test_a_selection_round_refused_after_its_terms_are_read_spends_nothing(
     reason = "malformed round" if fault == "nan weights" else "over budget"
     assert refused(reply, reason) and site_ledger(hospital).events == ()
     reply, _ = answer(selection_round(server, "b" * 32, 5), opted, server.cfg)
-    assert not reply.has_error()  # a well-formed one: the selection recorded once, then it
+    assert not reply.has_error()  # a well-formed one: its round recorded, as in any run
     (event,) = site_ledger(hospital).events
-    assert event.selection is not None
+    assert event.selection is None and event.placement == "trusted-server"
 
 
 # -- issue 19: what the site runs and checks ---------------------------------------------------

@@ -36,7 +36,7 @@ from gep_fed.federation.tuning import (
 )
 from gep_fed.flower import search
 from gep_fed.flower.simulation import SimulationResult
-from gep_fed.flower.tuning import OUTSIDE, SEARCH_ID, TuneInterrupted, tune
+from gep_fed.flower.tuning import OUTSIDE, SEARCH_ID, TuneInterrupted, result_lines, tune
 from gep_fed.validation import ConfigError
 
 TASK, BASE = TUNE_TASK, SMALL_TRIAL  # tests/tune_task.py: digits with a validation split
@@ -194,12 +194,14 @@ def test_a_site_refuses_a_trial_whose_score_its_budget_cannot_hold_before_spendi
 def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_runs_hold_their_score(
     tmp_path,
 ):
-    """Central mode, a logarithmic K (seeded here), no server validation: every site's ledger
-    holds the whole selection as one event whose run is a trial's rounds and its score,
-    equal to dp-accounting's RepeatAndSelectDpEvent of that run and to the independent
-    Papernot & Steinke figure over the candidates' curves (rounds and score); each trial's
-    own ledgers at the sites hold its rounds and one score, under the selection's bound of
-    one trial; the sites' noised counts choose."""
+    """Central mode, a logarithmic K (seeded here), no server validation: the published
+    choice's figure is the selection whose run is a trial's rounds and its score, equal to
+    dp-accounting's RepeatAndSelectDpEvent of that run and to the independent Papernot &
+    Steinke figure over the candidates' curves (rounds and score); every site's ledger holds
+    every trial's rounds and score (the other sites see them all), within its own budget,
+    here larger than the search's total; each trial's own ledgers at the sites hold its
+    rounds and one score, under the selection's bound of one trial; the sites' noised counts
+    choose."""
     from dp_accounting import dp_event
     from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
@@ -213,6 +215,7 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
         target_epsilon=8.0,
         out_dir=str(tmp_path / "tune"),
         site_score=score,
+        site_settings={"epsilon-budget": 100.0},
     )
     selection = config.selection
     assert selection == Selection(selection.mean, 0.0, 2.0 / 2**0.5)
@@ -232,16 +235,20 @@ def test_a_random_number_of_trials_scored_by_the_sites_is_one_selection_whose_ru
     )
     accountant.compose(dp_event.RepeatAndSelectDpEvent(run, selection.mean, 0.0))
     independent = independent_selection_epsilon(config, epsilon)  # its curves hold the scores
+    published = result.planned_epsilon_rdp
+    assert published == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    # one candidate's rounds ride on the other's (same rounds, sigma): the bound is exact
+    assert published == pytest.approx(independent, rel=1e-6) and published <= 8.0
+    without = TuneConfig(config.base, config.candidates, random_trials=logarithmic(2.0))
+    assert published > epsilon_rdp([TrialPlanner(without).selection_event(epsilon)], 1e-5)
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())["procedure_epsilon"]
+    assert saved["published_choice_rdp"] == pytest.approx(published)
+    every_trial = [e for t in result.trials for e in planner.trial(t.candidate - 1, epsilon)[1]]
     for site in ("site-0", "site-1"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        (recorded,) = ledger.events
-        assert recorded.selection.score_noise_multiplier == pytest.approx(2.0 / 2**0.5)
-        assert ledger.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
-        # one candidate's rounds ride on the other's (same rounds, sigma): the bound is exact
-        assert ledger.epsilon() == pytest.approx(independent, rel=1e-6)
-        assert ledger.epsilon() <= 8.0
-    without = TuneConfig(config.base, config.candidates, random_trials=logarithmic(2.0))
-    assert ledger.epsilon() > epsilon_rdp([TrialPlanner(without).selection_event(epsilon)], 1e-5)
+        assert not any(e.selection for e in ledger.events)  # every trial's rounds and score
+        assert [e.mechanism for e in ledger.events].count("site-score") == len(plan)
+        assert ledger.epsilon() == pytest.approx(epsilon_rdp(every_trial, 1e-5), rel=1e-9)
     site_ledger = tmp_path / "tune" / "sites" / "site-0" / "ledger.json"
     search_id = (tmp_path / "tune" / SEARCH_ID).read_text()
     run_bound = trial_run_curve(replace(event, party="site-0"))
@@ -672,7 +679,9 @@ def test_a_random_number_of_trials_is_one_selection_that_every_round_config_carr
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert saved["selection"]["distribution"] == "truncated-negative-binomial"
     assert saved["selection"]["shape"] == 0.0
-    assert "trusted server publishes" in saved["procedure_epsilon"]["covers"]
+    assert "the other sites, which saw every trial's rounds" in saved["procedure_epsilon"]["covers"]
+    assert "trusted server publishes" in saved["procedure_epsilon"]["published_choice_covers"]
+    assert saved["procedure_epsilon"]["published_choice_rdp"] == result.planned_epsilon_rdp
     text = (tmp_path / "tune" / "tune.md").read_text()
     assert f"**The trusted server's record, {OUTSIDE} if published.**" in text
 
@@ -691,30 +700,34 @@ def test_candidates_of_different_lengths_are_bounded_by_their_worst_release_repe
     assert independent_selection_epsilon(config, epsilon) < selected - 0.1
 
 
-def test_a_site_whose_budget_cannot_hold_the_selection_refuses_its_rounds_and_records_nothing(
+def test_a_site_records_every_trial_of_a_random_search_and_refuses_those_beyond_its_budget(
     tmp_path,
 ):
-    """Each site records the selection at its first round, against its own budget (3,
-    below the selection's 4): every site refuses the first trial's rounds, the search stops
-    there, and no ledger holds anything."""
+    """The other sites see every trial's rounds, so each site's ledger composes every trial
+    it took part in, against its own budget (the search's total of 4 by default): with K >= 3
+    drawn, a later trial is refused by every site, named, and the published choice's
+    figure, which assumes K unhindered runs, is said not to hold."""
+    seed = next(s for s in range(200) if geometric(3.0).sample(random.Random(s)) >= 3)
     config = TuneConfig(
         base(mode="central"),
         [{"server-lr": 0.5}],
-        random_trials=geometric(2.0),
+        random_trials=geometric(3.0),
         target_epsilon=4.0,
         out_dir=str(tmp_path / "tune"),
-        site_settings={"epsilon-budget": 3.0},
     )
-    result = tune(config, rng=random.Random(0), simulate_options={"engine": "in-process"})
-    (trial,) = result.trials
-    rounds = f"1-{config.base.rounds}"
-    assert trial.status == "refused" and result.chosen is None
-    assert trial.refused_by == {f"site-{i}": f"over budget in round(s) {rounds}" for i in range(3)}
-    assert "refused" in result.stopped
+    result = tune(config, rng=random.Random(seed), simulate_options={"engine": "in-process"})
+    statuses = [t.status for t in result.trials]
+    assert statuses[0] == "finished" and statuses[-1] == "refused" and "refused" in result.stopped
+    assert all("over budget" in why for why in result.trials[-1].refused_by.values())
+    finished = statuses.count("finished")
     for site in ("site-0", "site-1", "site-2"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        assert ledger.events == () and ledger.budget_epsilon == 3.0
-        assert not (ledger.path.parent / "ledger.json.selections").exists()
+        assert ledger.steps == finished * config.base.rounds and ledger.epsilon() <= 4.0
+    assert result.epsilon_rdp == pytest.approx(ledger.epsilon())
+    printed = "\n".join(result_lines(result))
+    assert "the published choice's figure does not hold" in printed
+    text = (tmp_path / "tune" / "tune.md").read_text()
+    assert "The published choice's figure does not hold" in text
 
 
 def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
@@ -732,8 +745,9 @@ def test_the_command_line_draws_a_random_number_of_trials_in_central_mode_only(
     assert main([*args, "--mode", "central", "--out", str(tmp_path / "t")]) == 0
     printed = capsys.readouterr().out
     assert "a random number of trials (logarithmic, mean 2) of 2 candidate(s)" in printed
-    # (no site ran here: the summary gives the planned figure, and says so)
-    assert "each site's own ledger records the selection, what the trusted server" in printed
+    # (no site ran here: the sites' composition is theirs; the published choice's figure)
+    assert "each site's own ledger records every trial it took part in" in printed
+    assert "epsilon of the published choice alone (Papernot & Steinke" in printed
     # the chosen trial's number tells K >= it, which the bound does not cover
     assert re.search(r"; trial \d+ \(OUTSIDE THE GUARANTEE if published\)\n", printed)
     assert "chosen: trial" not in printed
@@ -798,8 +812,9 @@ def test_an_interrupted_tuning_resumes_its_own_plan_from_the_trial_it_stopped_in
 
 def test_a_resumed_random_search_is_recorded_once_and_its_trials_rounds_once(tmp_path, monkeypatch):
     """Ctrl-C in the second trial's first round; the rerun resumes the plan on disk (the OS
-    would draw a new K) under the same search id: each site's ledger holds the selection
-    once, and each trial's own ledger each of its rounds once."""
+    would draw a new K) under the same search id: each site's ledger holds each trial's
+    rounds once (its budget larger than the search's total here), and each trial's own
+    ledger each of its rounds once."""
     import os
     import signal
 
@@ -813,6 +828,7 @@ def test_a_resumed_random_search_is_recorded_once_and_its_trials_rounds_once(tmp
         random_trials=geometric(3.0),
         target_epsilon=4.0,
         out_dir=str(tmp_path / "tune"),
+        site_settings={"epsilon-budget": 100.0},
     )
     rounds, handle, sent = config.base.rounds, clientapp.handle_train, []
 
@@ -833,7 +849,7 @@ def test_a_resumed_random_search_is_recorded_once_and_its_trials_rounds_once(tmp
     search_id = (tmp_path / "tune" / SEARCH_ID).read_text()
     for site in ("site-0", "site-1", "site-2"):
         ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        assert len(ledger.events) == 1 and ledger.events[0].selection == config.selection
+        assert ledger.steps == len(result.plan) * rounds  # each round once
         for n in range(1, len(result.plan) + 1):
             path = selection_folder(ledger.path, search_id) / f"trial-{n:03d}.json"
             trial = PrivacyLedger.load(path, ledger.key, path.with_suffix(".mark"))

@@ -25,7 +25,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +95,7 @@ class PrivacyLedger:
         self.mark_path = None if mark_path is None else Path(mark_path)
         self._events: list[PrivacyEvent] = list(events)
         self._ceiling: np.ndarray | None = None  # bound_by's RDP curve
-        self._before_first_record: Callable[[], None] | None = None
+        self._also: PrivacyLedger | None = None  # bound_by's ledger recording the same
         # Digest of the file as this object last read or wrote it: a save over a file that
         # another process changed since then would lose that process's releases.
         self._disk_digest: str | None = None
@@ -122,22 +122,21 @@ class PrivacyLedger:
         """The RDP epsilon if ``new_events`` were recorded too."""
         return epsilon_rdp([*self._events, *new_events], self.delta)
 
-    def bound_by(
-        self, ceiling: np.ndarray, before_first_record: Callable[[], None] | None = None
-    ) -> PrivacyLedger:
+    def bound_by(self, ceiling: np.ndarray, also: PrivacyLedger) -> PrivacyLedger:
         """From now on, refuse releases that would bring this ledger's RDP curve above
-        ``ceiling`` (at ``RDP_ORDERS``) at any order, besides the budget: one trial of a
-        private selection, which the selection was accounted for as at most that curve.
-        ``before_first_record`` runs once, when a release first passes those checks and
-        before it is recorded (the selection charged only once a trial releases). Returns
+        ``ceiling`` (at ``RDP_ORDERS``) at any order, and record every release in ``also``
+        first, under its budget: one trial of a private selection, which the selection was
+        accounted for as at most that curve, recorded in the site's own ledger too. Returns
         the ledger."""
         self._ceiling = np.asarray(ceiling, dtype=float)
-        self._before_first_record = before_first_record
+        self._also = also
         return self
 
     def check_budget(self, new_events: Sequence[PrivacyEvent]) -> None:
         """Raise ``BudgetExceededError`` if ``new_events`` would overspend the budget (or
-        rise above the curve of ``bound_by``)."""
+        rise above the curve of ``bound_by``, or overspend its other ledger's budget)."""
+        if self._also is not None:
+            self._also.check_budget(new_events)
         if self._ceiling is not None:
             above = rdp_curve([*self._events, *new_events]) > self._ceiling * (1 + 1e-9) + 1e-12
             if np.any(above):
@@ -163,9 +162,8 @@ class PrivacyLedger:
         """Check the budget, append ``events``, and save if the ledger has a path (unless
         ``save=False``: the caller then saves it, e.g. right after a checkpoint)."""
         self.check_budget(events)
-        if self._before_first_record is not None:
-            self._before_first_record()
-            self._before_first_record = None
+        if self._also is not None:  # the site's own ledger first: it is what privacy rests on
+            self._also.record(*events)
         self._events.extend(events)
         if save and self.path is not None:
             self.save()
@@ -483,35 +481,6 @@ def _digest(body: dict) -> str:
 
 def _mac(key: bytes, body: dict, domain: bytes = b"") -> str:
     return hmac.new(key, domain + _canonical(body), hashlib.sha256).hexdigest()
-
-
-def keyed_record(key: bytes | None, body: dict, domain: bytes) -> bytes:
-    """``body`` as JSON, with its HMAC under the ledger's ``key`` where there is one: a small
-    record kept beside a ledger that decides what the ledger records (``domain`` names its
-    kind, so no record can pass for another)."""
-    signed = dict(body) if key is None else {**body, "hmac-sha256": _mac(key, body, domain)}
-    return _canonical(signed)
-
-
-def read_keyed_record(path: Path, key: bytes | None, domain: bytes) -> dict:
-    """A ``keyed_record`` read back; ``LedgerError`` naming ``path`` where its HMAC does not
-    verify (written without the key, or damaged), and where a keyed ledger's record has none."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        mac = data.pop("hmac-sha256", None)
-        ok = (
-            (mac is None)
-            if key is None
-            else mac is not None and hmac.compare_digest(str(mac), _mac(key, data, domain))
-        )
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
-        raise LedgerError(f"cannot read {path}: {err}. It is left untouched") from err
-    if not ok:
-        raise LedgerError(
-            f"{path} fails its HMAC check: it was written without the site's ledger key, or "
-            "damaged. It is left untouched"
-        )
-    return data
 
 
 def default_key_path(ledger_path: str | Path) -> Path:

@@ -115,7 +115,7 @@ def _ledger_show(args: argparse.Namespace) -> int:
         trials = sorted(searches.glob("*/trial-*.json"))
         print(
             f"  its selections' trials: {len(trials)} ledger(s) in {searches}, each under its "
-            "selection's bound of one trial"
+            "selection's bound of one trial (their releases are counted above too)"
         )
     return 0
 

@@ -108,9 +108,9 @@ NODE_CONFIG_KEYS = {
     "score-noise": "the std of the Gaussian noise this site adds to each count of a score "
     "(one release per query, in its ledger); without it the site releases no score",
     "max-selection-mean": "the largest mean number of trials of a private selection (gep-fed "
-    "tune --random-trials, central mode) this site takes part in; its bound trusts the server "
-    "to draw the number secretly from the declared law and to publish only the best trial "
-    "(default 0: none)",
+    "tune --random-trials, central mode) this site takes part in; its ledger records every "
+    "trial, and the published choice's figure trusts the server to draw the number secretly "
+    "from the declared law and to publish only the best trial (default 0: none)",
 }
 # Keys only a simulated site's settings may hold (a deployed site's noise is never seeded).
 SIMULATION_KEYS = {
@@ -158,9 +158,10 @@ class SitePolicy:
             of a model on its held-out examples (``gep_fed.federation.site_score``); None:
             the site releases no score.
         max_selection_mean: the largest mean number of trials of a private selection the
-            site takes part in (central mode only). Its ledger records the selection's bound,
-            which holds only if the server draws the number of trials from the declared law
-            and publishes only the best trial: an opt-in, like central mode. 0: none.
+            site takes part in (central mode only). Its ledger records every trial's
+            releases; the published choice's figure holds only if the server draws the number
+            of trials from the declared law and publishes only the best trial: an opt-in,
+            like central mode. 0: none.
     """
 
     epsilon_budget: float | None

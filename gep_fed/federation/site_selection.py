@@ -1,46 +1,34 @@
 """A site's side of a private selection with a random number of trials (central mode).
 
 Papernot & Steinke's bound (ICLR 2022) covers what the trusted server publishes: the best of
-K trials, K drawn secretly from the declared law. A site that opted in (``max-selection-mean``)
-and receives a search's round records that bound once per search, as one event in its own
-ledger and against its own budget: a site that cannot hold it refuses the first round it sees,
-and a round refused for any reason spends nothing (the selection is recorded when a trial
-first releases). It keeps each trial's rounds in a ledger of the trial's own, where every
-release must stay under the selection's bound of one trial at every RDP order (a trial that
-would release more is refused). In central mode the server sees every trial's clipped sums:
-the figure holds only where the site trusts it, as central mode's noise already does
-(``Mode.refusal`` refuses a selection in any other mode).
+K trials, K drawn secretly from the declared law. It holds only against those who see the
+published choice alone. The coordinator and the other sites see every trial's rounds (each
+site is sent each trial's global models), so a site that opted in (``max-selection-mean``)
+records every trial's releases in its own ledger, as in any run, against its own budget: a
+trial it cannot hold is refused, and its guarantee against everyone is that ledger's. It also
+keeps each trial's releases in a ledger of the trial's own, where every release must stay
+under the selection's bound of one trial at every RDP order (a trial that would release more
+is refused), so that the published choice's figure holds too. In central mode the server sees
+every trial's clipped sums: the figures hold only where the site trusts it, as central mode's
+noise already does (``Mode.refusal`` refuses a selection in any other mode).
 
-On disk, beside the site's ledger ``L``: ``L.selections/<search>/selection.json`` (the event
-recorded, under the ledger's key, written after the ledger holds it: a crash in between
-records it again, an over-count, never an under-count) and ``trial-<n>.json`` (the trial's
+On disk, beside the site's ledger ``L``: ``L.selections/<search>/trial-<n>.json`` (the trial's
 ledger, under the site's key, with its own high-water mark).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 from pathlib import Path
 
 from gep_fed.accounting.events import PrivacyEvent, rdp_accountant
-from gep_fed.accounting.ledger import (
-    BudgetExceededError,
-    PrivacyLedger,
-    keyed_record,
-    read_keyed_record,
-    selections_folder,
-)
+from gep_fed.accounting.ledger import PrivacyLedger, selections_folder
 from gep_fed.federation.wire import RoundRefused, SelectionTerms
-from gep_fed.files import write_bytes_atomically
-
-RECORDED = "selection.json"
-SELECTION_DOMAIN = b"selection:"
 
 
 def selection_folder(ledger_path: Path, search: str) -> Path:
-    """Where a site keeps a search's record and its trials' ledgers."""
+    """Where a site keeps a search's trials' ledgers."""
     return selections_folder(ledger_path) / search
 
 
@@ -52,14 +40,11 @@ def trial_run_curve(event: PrivacyEvent):
 
 
 def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
-    """The ledger that holds this round's trial, bounded by one trial's curve. The selection
-    is recorded in ``main`` (once per search) when the trial first records a release, after
-    the round has passed every check: a round refused for any reason spends nothing.
+    """The ledger that holds this round's trial, bounded by one trial's curve, which records
+    every release in ``main`` first (under ``main``'s budget).
 
     Raises:
-        RoundRefused: "over budget" where ``main``'s budget cannot hold the selection;
-            "malformed round" where the search was recorded with another selection, or its
-            number of trials is Poisson.
+        RoundRefused: "malformed round" where the number of trials is Poisson.
     """
     if main.path is None:
         raise ValueError("a private selection needs the site's ledger on disk")
@@ -68,26 +53,6 @@ def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
         # only searches of K >= 1 trials, which that bound does not cover
         raise RoundRefused("malformed round")
     folder = selection_folder(main.path, terms.search)
-    event = replace(terms.event, party=main.owner)
-    recorded = folder / RECORDED
-
-    body = {"search": terms.search, "event": event.to_dict()}
-
-    def record_selection(check_only: bool) -> None:
-        if recorded.exists():  # under the ledger's key: no hand-written file skips a charge
-            if read_keyed_record(recorded, main.key, SELECTION_DOMAIN) != body:
-                raise RoundRefused("malformed round")  # the search's terms changed under its id
-            return
-        try:
-            if check_only:
-                main.check_budget([event])
-                return
-            main.record(event)
-        except BudgetExceededError:
-            raise RoundRefused("over budget") from None
-        write_bytes_atomically(recorded, keyed_record(main.key, body, SELECTION_DOMAIN))
-
-    record_selection(check_only=True)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"trial-{terms.trial:03d}.json"
     ledger = PrivacyLedger.open(
@@ -99,5 +64,5 @@ def trial_ledger(main: PrivacyLedger, terms: SelectionTerms) -> PrivacyLedger:
         mark_path=path.with_suffix(".mark"),
         create=True,
     )
-    charge = functools.partial(record_selection, check_only=False)
-    return ledger.bound_by(trial_run_curve(event), before_first_record=charge)
+    event = replace(terms.event, party=main.owner)
+    return ledger.bound_by(trial_run_curve(event), also=main)

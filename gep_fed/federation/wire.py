@@ -163,13 +163,13 @@ def as_wire_array(array: np.ndarray) -> WireArray:
 @dataclass(frozen=True)
 class SelectionTerms:
     """A round's private selection with a random number of trials (Papernot & Steinke, ICLR
-    2022), as the trusted server of central mode declares it: the site records the whole
-    selection once per search, in its own ledger and against its own budget, and keeps each
-    trial's rounds in a ledger of that trial's own, under the selection's bound of one trial.
+    2022), as the trusted server of central mode declares it: the site records every trial's
+    releases in its own ledger, against its own budget, and keeps each trial's rounds in a
+    ledger of that trial's own too, under the selection's bound of one trial.
 
     Attributes:
-        search: the search's id, 32 hex digits, kept across a resumed search (a site records
-            the selection once per id).
+        search: the search's id, 32 hex digits, kept across a resumed search (the folder of
+            its trials' ledgers at a site).
         trial: the trial's number in the search (from 1).
         event: the whole selection (``PrivacyEvent`` with ``selection`` set): one trial's
             releases bounded by one release repeated, inside the law of the number of trials.

@@ -142,8 +142,8 @@ class GEPStrategy(Strategy):
             scored: the run will ask its sites for a score after its last round
                 (``RoundLoop.score_sites``): the round configs say so, and a site plans it.
             selection: the trial's terms in a private selection with a random number of
-                trials (``wire.SelectionTerms`` as JSON): each site records the selection
-                once and the trial in a ledger of its own (central mode only).
+                trials (``wire.SelectionTerms`` as JSON): each site records the trial's
+                releases, and the trial in a ledger of its own too (central mode only).
 
         Raises:
             ValueError: the run directory was started with different settings.

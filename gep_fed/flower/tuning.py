@@ -6,21 +6,21 @@ plan, the per-trial budget). Here the trials run one after another in one Flower
 and the candidate whose run scores best on the server's own validation data is returned,
 with its model and its test figures.
 
-What the sites record. A fixed number of trials: the simulated sites of every trial keep
-their ledgers in one folder, each site's budget the tuning's total, so a site refuses a trial
-that would take it beyond its budget ("over budget"); the tuning then records that trial as
-refused, names the site, and stops with the trials done. A random number of trials (central
-mode): every round config carries the selection's terms, and each site records the selection
-once in its ledger (refusing the first round where it exceeds the site's budget) and each
-trial in a ledger of the trial's own, under the selection's bound of one trial
-(``gep_fed.federation.site_selection``, the same in simulation and under ``flwr run``); the
-list of trials, their scores and K itself are the trusted server's
-record, and publishing them is outside the guarantee (``tune.md`` says so where it lists
-them). The selection score is computed by the server on its own validation data, which holds
-no site's data: the score, the choice and the chosen model are post-processing. Where the
-server has none, the simulated sites score each trial's final model on examples they hold
-out, by noised per-class counts recorded in their ledgers (``TuneConfig.site_score``,
-``gep_fed.federation.site_score``).
+What the sites record. A fixed number of trials: the simulated sites of every trial keep their
+ledgers in one folder, each site's budget the tuning's total, so a site refuses a trial that
+would take it beyond its budget ("over budget"); the tuning then records that trial as refused,
+names the site, and stops with the trials done. A random number of trials (central mode): every
+round config carries the selection's terms; each site records every trial's releases in its
+ledger as above (the server and the other sites see every trial's rounds), and each trial in a
+ledger of the trial's own too, under the selection's bound of one trial
+(``gep_fed.federation.site_selection``, the same in simulation and under ``flwr run``), so that
+the selection's tighter figure holds for the published choice alone; the list of trials, their
+scores and K itself are the trusted server's record, and publishing them is outside that figure
+(``tune.md`` says so where it lists them). The selection score is computed by the server on its
+own validation data, which holds no site's data: the score, the choice and the chosen model are
+post-processing. Where the server has none, the simulated sites score each trial's final model
+on examples they hold out, by noised per-class counts recorded in their ledgers
+(``TuneConfig.site_score``, ``gep_fed.federation.site_score``).
 
 The plan is written to ``tune.json`` before the first trial: an interrupted tuning
 (``TuneInterrupted``) resumes from the trial it stopped in, with the same plan.
@@ -152,9 +152,10 @@ class TuneResult:
 
     @property
     def epsilon_rdp(self) -> float:
-        """The epsilon of the whole procedure: the largest of the sites' ledgers (RDP); the
-        planned figure where no ledger was found. A fixed T: against the server, every trial
-        composed. A random K: what the trusted server publishes (the selection)."""
+        """The epsilon of the whole procedure: the largest of the sites' ledgers (RDP), every
+        trial a site took part in composed (the guarantee against the server and the other
+        sites, who see every trial's rounds); the planned figure where no ledger was found. A
+        random K's figure for the published choice alone is ``planned_epsilon_rdp``."""
         values = [s["epsilon_rdp"] for s in self.site_epsilons.values()]
         return max(values) if values else self.planned_epsilon_rdp
 
@@ -593,10 +594,11 @@ def _plan(config: TuneConfig, rng: random.Random | None, say) -> tuple:
     say(
         f"tune: a random number of trials ({law_text(config.selection_record())}) of "
         f"{len(config.candidates)} candidate(s), each at epsilon {epsilon:.4f}; the "
-        f"selection {planned:.4f} <= {config.total_epsilon:g} (RDP, Papernot & Steinke, "
-        f"delta={config.total_delta:g}) at every site, which records it at its first round. "
-        "The trials and their number are the trusted server's record: publishing them is "
-        "outside the guarantee"
+        f"selection {planned:.4f} <= {config.total_epsilon:g} for the published choice alone "
+        f"(RDP, Papernot & Steinke, delta={config.total_delta:g}). Each site records every "
+        "trial it takes part in, against its own budget (the server and the other sites see "
+        "them all). The trials and their number are the trusted server's record: publishing "
+        "them is outside the selection's figure"
     )
     say(f"tune: {len(plan)} trial(s) drawn")
     return plan, epsilon, planned, None
@@ -737,10 +739,15 @@ def result_dict(result: TuneResult) -> dict:
             "rdp": result.epsilon_rdp,
             "pld": None if math.isnan(result.epsilon_pld) else result.epsilon_pld,
             "delta": result.delta,
-            "covers": _COVERS_SELECTION
+            "covers": "each site's ledger: the composition of every trial it took part in "
+            "(the guarantee against the server, which saw every trial's releases, and against "
+            "the other sites, which saw every trial's rounds)",
+            "published_choice_rdp": result.planned_epsilon_rdp
+            if result.selection and not _published_choice_void(result)
+            else None,
+            "published_choice_covers": (_published_choice_void(result) or _COVERS_SELECTION)
             if result.selection
-            else "each site's ledger: the composition of every trial it took part in "
-            "(the guarantee against the server, which saw every trial's releases)",
+            else None,
         },
         "selection": None if result.selection is None else dict(result.selection),
         "sites": {k: dict(v) for k, v in result.site_epsilons.items()},
@@ -749,10 +756,23 @@ def result_dict(result: TuneResult) -> dict:
     }
 
 
+def _published_choice_void(result: TuneResult) -> str | None:
+    """Why a random K's figure for the published choice does not hold (None: it holds, or
+    there is no random K): it assumes K runs of one trial, none refused or cut short."""
+    if not result.selection:
+        return None
+    if result.stopped or any(t.status != "finished" for t in result.trials):
+        return (
+            "the published choice's figure does not hold: a trial was refused or did not "
+            "finish, so the trials were not K runs of one trial (the sites' ledgers hold)"
+        )
+    return None
+
+
 _COVERS_SELECTION = (
-    "what the trusted server publishes: the chosen candidate, its validation score and its "
-    "model (Papernot & Steinke's bound for a random number of trials). The trials and their "
-    f"number are the server's record, {OUTSIDE} if published"
+    "what the trusted server publishes, for those who see only that: the chosen candidate, "
+    "its validation score and its model (Papernot & Steinke's bound for a random number of "
+    f"trials). The trials and their number are the server's record, {OUTSIDE} if published"
 )
 
 
@@ -773,10 +793,8 @@ def result_lines(result: TuneResult) -> list[str]:
             f"its test metrics (never used to choose): {test}",
             f"model: {result.model_path}",
         ]
-    covers = (
-        "the selection, what the trusted server publishes"
-        if result.selection
-        else "every trial it took part in, the guarantee against the server"
+    covers = "every trial it took part in, the guarantee against the server" + (
+        " and the other sites" if result.selection else ""
     )
     if result.site_epsilons:
         lines.append(
@@ -784,11 +802,24 @@ def result_lines(result: TuneResult) -> list[str]:
             f"{_epsilon_text(result.epsilon_rdp)} (RDP), {_epsilon_text(result.epsilon_pld)} "
             f"(PLD), delta {result.delta:g}"
         )
+    elif result.selection:  # deployed sites; the composition is known only once K is
+        lines.append(
+            f"epsilon of the whole tuning: each site's own ledger records {covers} (the sites' "
+            "ledgers are not here)"
+        )
     else:  # deployed sites: their ledgers are on their own disks
         lines.append(
             f"epsilon of the whole tuning as planned (each site's own ledger records {covers}; "
             f"the sites' ledgers are not here): {_epsilon_text(result.epsilon_rdp)} (RDP), "
             f"delta {result.delta:g}"
+        )
+    if _published_choice_void(result):
+        lines.append(_published_choice_void(result))
+    elif result.selection:
+        lines.append(
+            f"epsilon of the published choice alone (Papernot & Steinke, for those who see only "
+            f"the chosen model): {_epsilon_text(result.planned_epsilon_rdp)} (RDP), delta "
+            f"{result.delta:g}"
         )
     reference = (result.reference or {}).get("chosen")
     if reference is not None:
@@ -924,30 +955,38 @@ def render_markdown(result: TuneResult) -> str:
             "",
         ]
     lines += ["## Epsilon of the whole procedure", ""]
-    if result.selection is None:
+    if result.site_epsilons:
         recorded = (
             f"as its ledger records it: epsilon {_fmt(result.epsilon_rdp)} (RDP), "
             f"{_fmt(result.epsilon_pld)} (PLD)"
-            if result.site_epsilons
-            else f"which its own ledger records (not here: the sites' ledgers are on their "
-            f"disks); as planned, epsilon {_fmt(result.epsilon_rdp)} (RDP)"
         )
+    else:  # a random K's composition is known only once K is
+        recorded = "which its own ledger records (not here: the sites' ledgers are on their disks)"
+        if result.selection is None:
+            recorded += f"; as planned, epsilon {_fmt(result.epsilon_rdp)} (RDP)"
+    lines += [
+        f"Against the server, which saw every trial's releases, each site's guarantee is "
+        f"the composition of every trial it took part in, {recorded}, "
+        f"delta {result.delta:g}. The choice, its score and its model are post-processing "
+        f"({_score_cost(result.settings.get('site_score'))}): they cost nothing more.",
+        "",
+    ]
+    if result.selection is None:
         lines += [
-            f"Against the server, which saw every trial's releases, each site's guarantee is "
-            f"the composition of every trial it took part in, {recorded}, "
-            f"delta {result.delta:g}. The choice, its score and its model are post-processing "
-            f"({_score_cost(result.settings.get('site_score'))}): they cost nothing more. The "
-            "tighter bound for a random number of trials (Papernot & Steinke) needs a server "
-            "the sites trust (central mode).",
+            "The tighter bound for a random number of trials (Papernot & Steinke) needs a "
+            "server the sites trust (central mode), and holds for the published choice alone.",
             "",
         ]
+    elif _published_choice_void(result):
+        lines += [f"**{_published_choice_void(result).capitalize()}.**", ""]
     else:
         lines += [
-            f"Each site's ledger records the selection once, at the first round it is sent: "
-            f"epsilon {_fmt(result.epsilon_rdp)} (RDP; PLD has none for a selection), delta "
-            f"{result.delta:g}, covering {_COVERS_SELECTION}. Beside it, each trial's own "
-            "ledger (`<ledger>.selections/<search id>/`) holds what that trial alone spent, "
-            "under the selection's bound of one trial.",
+            f"The published choice alone: epsilon {_fmt(result.planned_epsilon_rdp)} (RDP, "
+            f"the selection's bound; PLD has none), delta {result.delta:g}, covering "
+            f"{_COVERS_SELECTION}. The other sites see every trial's rounds, so a site's own "
+            "guarantee is its ledger's. Beside it, each trial's own ledger "
+            "(`<ledger>.selections/<search id>/`) holds what that trial alone spent, under the "
+            "selection's bound of one trial, which the published figure assumes.",
             "",
         ]
     if result.site_epsilons:
