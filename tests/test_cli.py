@@ -49,7 +49,7 @@ def test_calibrate_prints_sigma_and_refuses_impossible_targets(capsys):
         (["simulate", "--site-data", "a=x", "--min-sites", "2"], "--min-sites 2 with 1"),
         (
             ["simulate", "--mode", "central", "--local-steps", "5", "--local-lr", "0.1"],
-            "--local-steps, --local-lr set(s) the sites' own steps, which central mode does not",
+            "local-steps, local-lr set(s) the sites' own steps, which central mode does not",
         ),
     ],
 )

@@ -1,5 +1,6 @@
 """Configuration: validation errors that name the field, and defaults kept in one place."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -168,3 +169,20 @@ def test_a_range_error_names_an_unbounded_end_as_open():
     with pytest.raises(ConfigError, match=r"must be a finite number in \(0, inf\), got 0"):
         POSITIVE.check("target_epsilon", 0)
     assert str(Range(0, 1)) == "[0, 1]" and str(Range()) == "(-inf, inf)"
+
+
+def test_the_sites_own_steps_for_a_mode_whose_server_steps_are_refused_on_every_path(capsys):
+    """The command line refused them, but a run config and the library took them and ignored
+    them: one resolution now refuses them, by name, wherever they come from."""
+    from helpers import gep_fed_in_process
+
+    message = "local-steps set(s) the sites' own steps, which central mode does not take"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        FederationConfig.from_record({"mode": "central", "local-steps": 3})
+    with pytest.raises(ConfigError, match=r"local-lr set\(s\) the sites' own steps"):
+        FederationConfig.for_task(mode="distributed", local_lr=0.37)
+    code, _, err = gep_fed_in_process(capsys, "simulate", "--mode", "central", "--local-steps", "3")
+    assert code == 2 and message in err
+    # a record of a whole config (every key, as a run config or a tuning's base gives it)
+    central = FederationConfig.for_task(mode="central")
+    assert FederationConfig.from_record(central.to_record()) == central

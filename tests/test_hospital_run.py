@@ -312,6 +312,50 @@ def test_a_run_that_crashes_inside_its_first_commit_keeps_the_record_of_its_site
         simulate(fed, progress=False, site_data=renamed, engine="in-process")
 
 
+def test_a_resumed_run_whose_site_ledger_was_deleted_is_refused_naming_it(tmp_path):
+    """A simulated site creates its ledger where it finds none: deleted after round 1, it
+    started from zero on resume though its data had spent budget."""
+    import shutil
+
+    from gep_fed.validation import ConfigError
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=2, mode="client")
+
+    def crash(record: dict) -> None:
+        raise RuntimeError("the machine went down")
+
+    with pytest.raises(RuntimeError, match="went down"):
+        simulate(fed, progress=False, site_data=folders, engine="in-process", on_round=crash)
+    shutil.rmtree(tmp_path / "runs" / "r" / "sites" / "hospital-b")
+    with pytest.raises(ConfigError, match=r"trained 1 round\(s\), but its site ledger\(s\) .*"
+                       r"hospital-b/ledger.json are missing"):  # fmt: skip
+        simulate(fed, progress=False, site_data=folders, engine="in-process")
+
+
+def test_a_torn_line_in_a_sites_rounds_is_kept_apart_and_the_resumed_run_finishes(tmp_path):
+    """The next row was glued to a torn one, and every later run of the directory then ended
+    in an error naming no file, with no report."""
+    from gep_fed.federation.rundir import read_site_rounds
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=2, mode="client")
+
+    def crash(record: dict) -> None:
+        raise RuntimeError("the machine went down")
+
+    with pytest.raises(RuntimeError, match="went down"):
+        simulate(fed, progress=False, site_data=folders, engine="in-process", on_round=crash)
+    rounds = tmp_path / "runs" / "r" / "sites" / "hospital-a" / "rounds.jsonl"
+    with open(rounds, "a") as fh:
+        fh.write('{"round": 2, "node": 1, "outco')  # a crash while the row was written
+    result = simulate(fed, progress=False, site_data=folders, engine="in-process")
+    assert [r["round"] for r in result.metrics if r["applied"]] == [1, 2]
+    lines = rounds.read_text().splitlines()
+    assert '{"round": 2, "node": 1, "outco' in lines  # kept, on a line of its own
+    assert [r["round"] for r in read_site_rounds(tmp_path / "runs" / "r")["hospital-a"]] == [1, 2]
+
+
 def test_a_run_that_fails_before_training_leaves_no_run_directory(tmp_path):
     folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
     # refused by the server, once the run has started: delta not below 1/N for 80 examples

@@ -143,11 +143,14 @@ def test_an_error_in_a_trial_is_raised_to_the_caller_with_the_trials_before_it_k
 ROOT = Path(__file__).parents[1]
 
 
-def candidates_file(tmp_path: Path) -> Path:
+def candidates_file(tmp_path: Path, site_steps: bool = True) -> Path:
+    """Two step sizes over a small base; ``site_steps`` False: without the sites' own steps
+    (a central search's base: its mode takes none, and refuses them)."""
     path = tmp_path / "candidates.toml"
     path.write_text(
-        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\nlocal-steps = 2\n"
-        "sample-rate = 1.0\nnum-sites = 2\nnoise-seed = 3\n\n"
+        "[base]\nnum-public = 100\nnum-basis = 8\nrounds = 2\n"
+        + ("local-steps = 2\n" if site_steps else "")
+        + "sample-rate = 1.0\nnum-sites = 2\nnoise-seed = 3\n\n"
         "[[candidate]]\nserver-lr = 0.5\n\n[[candidate]]\nserver-lr = 2.0\n"
     )
     return path
@@ -227,7 +230,7 @@ def test_flwr_run_and_the_command_line_declare_the_same_search(tmp_path):
     ],
 )
 def test_a_bad_search_in_a_run_config_is_named(tmp_path, given, message):
-    path = candidates_file(tmp_path)
+    path = candidates_file(tmp_path, site_steps=given.get("mode") != "central")
     path.write_text(f'[base]\ntask = "{TASK}"\n' + path.read_text().removeprefix("[base]\n"))
     record = {"tune-candidates": str(path), "task": TASK, **given}
     record = {k: v for k, v in record.items() if v is not None}
@@ -263,7 +266,7 @@ def test_flwr_run_of_a_search_runs_its_trials_over_the_runs_grid(tmp_path, capsy
 def random_search_run_config(tmp_path: Path) -> dict:
     """A central-mode search of a random number of trials (geometric, mean 2) under flwr run,
     total epsilon 4."""
-    record = search_run_config(candidates_file(tmp_path), tmp_path / "runs")
+    record = search_run_config(candidates_file(tmp_path, site_steps=False), tmp_path / "runs")
     return {**record, "mode": "central", "tune-random-trials": 2.0}
 
 

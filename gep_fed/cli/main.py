@@ -151,26 +151,6 @@ def _quiet_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _refuse_unused_local_settings(args: argparse.Namespace, fed) -> None:
-    """A site's local steps, step size and momentum given for a mode whose server takes the
-    round's one private step: refused by name, never ignored."""
-    from gep_fed.federation.modes import mode_named
-
-    if not mode_named(fed.mode).server_steps:
-        return
-    given = [f"--{n.replace('_', '-')}" for n in LOCAL_SETTINGS if getattr(args, n) is not None]
-    if given:
-        raise ConfigError(
-            f"{', '.join(given)} set(s) the sites' own steps, which {fed.mode} mode does not "
-            "take (the server takes one private step per round from the sites' sums): leave "
-            "it out, or use --mode client"
-        )
-
-
-# The settings of the steps a site takes itself (client mode).
-LOCAL_SETTINGS = ("local_steps", "local_lr", "local_momentum")
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from gep_fed.federation.report import nothing_trained, render_report, summary_lines
     from gep_fed.flower.simulation import simulate, site_data_from_pairs
@@ -192,7 +172,6 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"are the federation; leave out {flag}, or give at most that many sites"
             )
     fed = federation_config(args)
-    _refuse_unused_local_settings(args, fed)
     _quiet_logs()
     began = time.perf_counter()
     result = simulate(

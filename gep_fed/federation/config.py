@@ -406,7 +406,21 @@ class FederationConfig:
             raise ConfigError(
                 f"task {task!r} recommends unknown setting(s) {unknown}; known: {sorted(known)}"
             )
-        return cls(task=task, **{**recommended, **settings})
+        fed = cls(task=task, **{**recommended, **settings})
+        if fed.noise_mode.server_steps:
+            # the sites' own steps, given for a mode whose server takes the round's one step,
+            # would be ignored: refused by name (a value that changes nothing passes, as a
+            # run config's or another config's record gives every key)
+            plain = cls(task=task, **{**recommended, **{k: v for k, v in settings.items()
+                                                      if k not in LOCAL_SETTINGS}})  # fmt: skip
+            given = [n for n in LOCAL_SETTINGS if getattr(fed, n) != getattr(plain, n)]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(n.replace('_', '-') for n in given)} set(s) the sites' own "
+                    f"steps, which {fed.mode} mode does not take (the server takes one private "
+                    "step per round from the sites' sums): leave it out, or use mode client"
+                )
+        return fed
 
     def make_task(self) -> Task:
         """The run's task, built from its public settings."""
@@ -589,6 +603,10 @@ class FederationConfig:
         template = {f.name.replace("_", "-"): RUN_CONFIG_DEFAULT for f in fields(cls)}
         template["task"] = cls.__dataclass_fields__["task"].default
         return template
+
+
+# The settings of the steps a site takes itself (client mode).
+LOCAL_SETTINGS = ("local_steps", "local_lr", "local_momentum")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from collections import Counter
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 from gep_fed.files import write_atomically, write_bytes_atomically
+
+log = logging.getLogger("gep_fed.server")
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -244,6 +247,15 @@ def read_site_rounds(run_dir: Path) -> dict[str, list[dict]]:
     """Every simulated site's rounds, from its folder of the run directory."""
     out = {}
     for path in sorted((Path(run_dir) / "sites").glob(f"*/{SITE_ROUNDS}")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # torn by a crash while it was written: kept there
+                log.warning(
+                    "%s: line %d is torn (a crash while writing it); left out", path, number
+                )
         out[path.parent.name] = sorted(rows, key=lambda r: r.get("round") or 0)
     return out

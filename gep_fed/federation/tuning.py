@@ -47,7 +47,7 @@ from gep_fed.accounting.selection import (
     TruncatedNegativeBinomial,
     default_rng,
 )
-from gep_fed.federation.config import RUN_CONFIG_DEFAULT, FederationConfig
+from gep_fed.federation.config import LOCAL_SETTINGS, RUN_CONFIG_DEFAULT, FederationConfig
 from gep_fed.federation.site_score import SiteScore
 from gep_fed.validation import DELTA, TARGET_EPSILON, ConfigError
 
@@ -273,8 +273,12 @@ class TuneConfig:
     def candidate_config(self, index: int, epsilon: float | None = None) -> FederationConfig:
         """Candidate ``index`` (0-based) over the base, at per-trial budget ``epsilon``
         (None: the whole total); a bad value is a ``ConfigError`` naming the candidate."""
+        base = self.base.to_record()
+        if self.base.noise_mode.server_steps:  # its mode takes no site steps: not given by it
+            for name in LOCAL_SETTINGS:
+                base.pop(name.replace("_", "-"))
         record = {
-            **self.base.to_record(),
+            **base,
             **{k.replace("_", "-"): v for k, v in self.candidates[index].items()},
             "target-epsilon": float(self.total_epsilon if epsilon is None else epsilon),
             "delta": float(self.total_delta),

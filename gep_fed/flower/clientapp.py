@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -567,8 +568,13 @@ def _note_simulated_outcome(
         if cause is not None:
             row["cause"] = cause
         (folder / site).mkdir(parents=True, exist_ok=True)
-        with open(folder / site / SITE_ROUNDS, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
+        with open(folder / site / SITE_ROUNDS, "ab+") as fh:  # appends whatever it reads
+            end, torn = fh.seek(0, os.SEEK_END), False
+            if end:
+                fh.seek(end - 1)
+                torn = fh.read(1) != b"\n"
+            # a line torn by a crash keeps a line of its own: the new row never joins it
+            fh.write((("\n" if torn else "") + json.dumps(row) + "\n").encode())
     except Exception:  # a diagnostic: never let it change the site's reply
         log.exception("could not record this simulated site's round")
 

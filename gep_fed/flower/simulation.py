@@ -249,6 +249,25 @@ def check_same_sites(fed: FederationConfig, formed: dict) -> None:
         )
 
 
+def check_site_ledgers_kept(
+    sites: Mapping[str, object], site_data: Mapping[str, str] | None, num_sites: int, trained: int
+) -> None:
+    """A resumed simulation's sites keep their ledgers: a simulated site creates its ledger
+    where it finds none, so one deleted after round ``trained`` would start from zero though
+    its data has spent budget. Raises ``ConfigError`` naming each missing ledger."""
+    names = list(site_data) if site_data else [f"site-{i}" for i in range(num_sites)]
+    folder = Path(str(sites["ledger-dir"]))
+    missing = [str(folder / n / "ledger.json") for n in names]
+    missing = [p for p in missing if not Path(p).exists()]
+    if missing:
+        raise ConfigError(
+            f"this run has trained {trained} round(s), but its site ledger(s) "
+            f"{', '.join(missing)} are missing: a site would start from zero what its data "
+            "has spent. Restore them (with their keys and marks), or start a new run (another "
+            "--run-name)"
+        )
+
+
 def _described(formed: dict) -> str:
     if "site-data" in formed:
         pairs = ", ".join(f"{n}={p}" for n, p in formed["site-data"].items())
@@ -405,6 +424,8 @@ def simulate(
             score_sites=score_sites,
         )
         sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
+        if committed[0] > 0:  # resumed: a site's ledger started afresh would forget its spend
+            check_site_ledgers_kept(sites, site_data, fed.num_sites, committed[0])
         client_app = make_client_app(fed, sites)
         try:
             launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
