@@ -262,12 +262,9 @@ def test_a_cli_error_is_one_line_from_the_installed_command(tmp_path):
     assert done.stderr.strip().count("\n") == 0 and "batchnorm_to_groupnorm" in done.stderr
 
 
-@pytest.mark.slow
-def test_a_run_that_crashes_after_its_first_round_keeps_the_record_of_its_sites(tmp_path):
-    """sites.json was written only once the simulation returned: a crash after round 1 was
-    committed left a resumable run with no record, and a rerun on other data was accepted."""
-    from gep_fed.validation import ConfigError
-
+def crashed_after_round_one(tmp_path) -> tuple[FederationConfig, dict[str, str]]:
+    """A two-round run over two hospitals' folders that crashed after round 1 was committed
+    (the machine went down): its settings and the folders, to resume it."""
     folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
     fed = tiny(tmp_path, rounds=2, mode="client")
 
@@ -276,6 +273,16 @@ def test_a_run_that_crashes_after_its_first_round_keeps_the_record_of_its_sites(
 
     with pytest.raises(RuntimeError, match="went down"):
         simulate(fed, progress=False, site_data=folders, engine="in-process", on_round=crash)
+    return fed, folders
+
+
+@pytest.mark.slow
+def test_a_run_that_crashes_after_its_first_round_keeps_the_record_of_its_sites(tmp_path):
+    """sites.json was written only once the simulation returned: a crash after round 1 was
+    committed left a resumable run with no record, and a rerun on other data was accepted."""
+    from gep_fed.validation import ConfigError
+
+    fed, folders = crashed_after_round_one(tmp_path)
     assert (tmp_path / "runs" / "r" / "checkpoint.pt").exists()
     assert json.loads((tmp_path / "runs" / "r" / "sites.json").read_text())
     other = write_site_folders(tmp_path / "other", {"hospital-b": 40})
@@ -319,14 +326,7 @@ def test_a_resumed_run_whose_site_ledger_was_deleted_is_refused_naming_it(tmp_pa
 
     from gep_fed.validation import ConfigError
 
-    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
-    fed = tiny(tmp_path, rounds=2, mode="client")
-
-    def crash(record: dict) -> None:
-        raise RuntimeError("the machine went down")
-
-    with pytest.raises(RuntimeError, match="went down"):
-        simulate(fed, progress=False, site_data=folders, engine="in-process", on_round=crash)
+    fed, folders = crashed_after_round_one(tmp_path)
     shutil.rmtree(tmp_path / "runs" / "r" / "sites" / "hospital-b")
     with pytest.raises(ConfigError, match=r"trained 1 round\(s\), but its site ledger\(s\) .*"
                        r"hospital-b/ledger.json are missing"):  # fmt: skip
@@ -338,14 +338,7 @@ def test_a_torn_line_in_a_sites_rounds_is_kept_apart_and_the_resumed_run_finishe
     in an error naming no file, with no report."""
     from gep_fed.federation.rundir import read_site_rounds
 
-    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
-    fed = tiny(tmp_path, rounds=2, mode="client")
-
-    def crash(record: dict) -> None:
-        raise RuntimeError("the machine went down")
-
-    with pytest.raises(RuntimeError, match="went down"):
-        simulate(fed, progress=False, site_data=folders, engine="in-process", on_round=crash)
+    fed, folders = crashed_after_round_one(tmp_path)
     rounds = tmp_path / "runs" / "r" / "sites" / "hospital-a" / "rounds.jsonl"
     with open(rounds, "a") as fh:
         fh.write('{"round": 2, "node": 1, "outco')  # a crash while the row was written
