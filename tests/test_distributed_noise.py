@@ -267,6 +267,18 @@ def test_the_divergence_of_few_coarse_shares_costs_epsilon():
     assert epsilon_rdp(events[1], 1e-5) > epsilon_rdp(events[0], 1e-5)
 
 
+def test_shares_coarser_than_the_bound_assumes_are_refused_by_name():
+    """tau's bound assumes each share's scale is at least 1/2 quantisation step; below it
+    (1 / (1.0 sqrt(10)) = 0.32 here) the figure would not hold."""
+    from gep_fed.validation import ConfigError
+
+    with pytest.raises(ConfigError, match=r"scale 0.316 quantisation steps, below the 0.5"):
+        PrivacyContract(
+            "gp", 1.0, 0.05, noise_shares=10, quantization_bits=16, quantization_step=1.0
+        )
+    PrivacyContract("gp", 1.0, 0.05, noise_shares=10, quantization_bits=16, quantization_step=0.6)
+
+
 def test_a_zcdp_event_composes_as_dp_accounting_composes_it():
     curve = distributed_step_rdp(0.5, 0.0, 64, 1.0)
     expected = rdp.RdpAccountant(list(RDP_ORDERS)).compose(dp_accounting.ZCDpEvent(0.125)).rdp

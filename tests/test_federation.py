@@ -448,3 +448,31 @@ def test_a_run_directory_is_run_by_one_process_at_a_time(tmp_path):
     second = open_server(fed, 0)  # the run is over: it may be resumed
     second.close()
     assert (tmp_path / "r" / "config.json").read_text() == config
+
+
+def test_a_run_without_its_checkpoint_or_with_an_older_one_is_not_resumed(tmp_path, digits):
+    """A Langevin run's server ledger holds no steps (its sites account for themselves), so a
+    lost checkpoint restarted the run at round 1 and an older one copied back was taken: the
+    metrics' applied rounds now say what the directory trained."""
+    from gep_fed.federation.rundir import CHECKPOINT
+
+    server = make_server(tmp_path, digits, mode="central", noise_multiplier=2.0)
+    plan = server.plan_round(1)
+    site = Site(
+        "s", digits.build_model(), digits.train_dataset(), TRUSTING, ledger=PrivacyLedger(1e-5)
+    )
+    site.load_state(server.model.state_dict())
+    server.apply_central(1, [site.central_sums(server.subspace, plan.config)])
+    older = server.run.file(CHECKPOINT).read_bytes()
+    server.run.append_metrics({"round": 1, "applied": True})
+    server.run.append_metrics({"round": 2, "applied": True})  # a later round, committed
+    with pytest.raises(LedgerError, match=r"holds round 1, but .* records round 2 applied"):
+        make_server(tmp_path, digits, mode="central", noise_multiplier=2.0).resume()
+    server.run.file(CHECKPOINT).unlink()
+    server.ledger.path.write_text(PrivacyLedger(1e-5, 8.0, server.ledger.owner).to_json())
+    with pytest.raises(LedgerError, match="records round 2 applied but holds no checkpoint"):
+        make_server(tmp_path, digits, mode="central", noise_multiplier=2.0).resume()
+    server.run.file(CHECKPOINT).write_bytes(b"not a checkpoint" + older[:10])
+    with pytest.raises(ValueError, match=r"cannot be read \(.*\): restore it") as err:
+        make_server(tmp_path, digits, mode="central", noise_multiplier=2.0).resume()
+    assert "\n" not in str(err.value)

@@ -453,6 +453,11 @@ class RoundLoop:
             )
         return state
 
+    def set_aside_torn_metrics(self) -> None:
+        """A torn last metrics line (a crash while writing it) kept apart, said once."""
+        if self.server.run.set_aside_torn_metrics() is not None:
+            log.warning("the metrics file ended in a torn line, kept in metrics.jsonl.torn")
+
     def restore(self, initial: Mapping[str, wire.WireArray] | None) -> int:
         """Set the global model before the first round; returns the last completed round.
 
@@ -466,6 +471,7 @@ class RoundLoop:
         """
         state = None if initial is None else self.check_arrays(initial)
         started_from = None if state is None else fingerprint(state)
+        self.set_aside_torn_metrics()  # before the resume reads the metrics' applied rounds
         done = self.server.resume()
         run = self.server.run
         if done == 0:
@@ -802,9 +808,7 @@ class RoundLoop:
     ) -> None:
         """Rounds ``first`` to ``last`` (fewer when the budget ends the run first), then
         save the model. ``after_round`` sees each round's record before it is written."""
-        torn = self.server.run.set_aside_torn_metrics()
-        if torn is not None:
-            log.warning("the metrics file ended in a torn line, kept in metrics.jsonl.torn")
+        self.set_aside_torn_metrics()
         for lost in self.server.run.note_lost_rounds(first - 1):
             log.warning("round %d: %s", lost, LOST_ROUND)
         site_epsilon = None  # the largest epsilon the sites' own ledgers reported so far

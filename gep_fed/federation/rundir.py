@@ -223,8 +223,12 @@ class RunDirectory:
             return None
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise RunDirectoryError(f"checkpoint {path} cannot be read: {err}") from err
+        except Exception as err:  # PyTorch's own text runs to many lines: its first says it
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RunDirectoryError(
+                f"checkpoint {path} cannot be read ({first}): restore it from a backup, or "
+                "start a new run (another run name)"
+            ) from err
 
 
 def site_line(rows: list[dict]) -> str:

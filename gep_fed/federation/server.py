@@ -550,13 +550,28 @@ class FederationServer:
     def resume(self) -> int:
         """Restore the last checkpoint (if any); returns the last completed round."""
         ckpt = self.run.load_torch(CHECKPOINT)
+        # the metrics' applied rounds: a server ledger without steps (Langevin's sites account
+        # for themselves) cannot tell a lost or older checkpoint
+        applied = max((r["round"] for r in self.run.read_metrics() if r.get("applied")), default=0)
         if ckpt is None:
             if self.ledger.steps:
                 raise LedgerError(
                     f"{self.ledger.path} records {self.ledger.steps} step(s) but there is no "
                     "checkpoint to resume from; refusing to start over on a spent ledger"
                 )
+            if applied:
+                raise LedgerError(
+                    f"{self.run.path} records round {applied} applied but holds no checkpoint "
+                    "to resume from; refusing to start over (restore the checkpoint, or start "
+                    "a new run)"
+                )
             return 0
+        if int(ckpt["round"]) < applied:
+            raise LedgerError(
+                f"{CHECKPOINT} holds round {int(ckpt['round'])}, but {self.run.path} records "
+                f"round {applied} applied: an older checkpoint; refusing to resume (restore the "
+                "newest one)"
+            )
         saved = PrivacyLedger.from_json(ckpt["ledger"], source=f"checkpoint {CHECKPOINT}")
         on_disk = self.ledger.events
         if on_disk != saved.events[: len(on_disk)]:

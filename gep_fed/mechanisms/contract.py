@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from gep_fed.accounting.events import PrivacyEvent, calibrate
 from gep_fed.mechanisms.clip_bounds import CLIP_BOUND
 from gep_fed.mechanisms.distributed_noise import (
+    MIN_SHARE_SCALE,
     DistributedNoise,
     distributed_event,
     padded_dimension,
@@ -87,7 +88,14 @@ class PrivacyContract:
         if self.is_distributed:
             if self.is_langevin:
                 raise ConfigError("langevin runs in client mode only, not distributed")
-            _ = self.distributed_noise  # validates t, bits and step
+            scale = self.distributed_noise.share_scale(self.noise_multiplier)  # t, bits, step
+            if not scale >= MIN_SHARE_SCALE:
+                # Kairouz, Liu & Steinke's bound (Thm. 1) assumes each share's scale >= 1/2
+                raise ConfigError(
+                    f"each site's noise share has scale {scale:.3g} quantisation steps, below "
+                    f"the {MIN_SHARE_SCALE} the distributed bound assumes: use more "
+                    "quantization bits or fewer noise shares"
+                )
         elif self.quantization_bits or self.quantization_step:
             raise ConfigError("quantization-bits and -step are for distributed mode only")
 

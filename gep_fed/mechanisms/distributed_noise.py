@@ -177,6 +177,11 @@ def release_clips(mechanism: Mechanism) -> tuple[float | None, float | None]:
     return mechanism.clip_embedding, mechanism.clip_residual
 
 
+# Each share's discrete Gaussian scale (in quantisation steps) that the divergence bound tau
+# assumes (Kairouz, Liu & Steinke 2021, Thm. 1): at least 1/2.
+MIN_SHARE_SCALE = 0.5
+
+
 @dataclass(frozen=True)
 class DistributedNoise:
     """How a site quantises and noises its clipped sums in distributed mode.
