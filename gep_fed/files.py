@@ -24,7 +24,12 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> P
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            write(fh)
+            try:
+                write(fh)
+            except OSError:
+                raise
+            except Exception as err:  # e.g. torch.save's own error for a full disk
+                raise OSError(f"cannot write {path}: {err}") from err
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -68,3 +68,16 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         write_atomically(target, fail)
     assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_a_writers_own_error_is_an_os_error_naming_the_file(tmp_path):
+    """torch.save turns a full disk into a RuntimeError of its own ("unexpected pos"), which
+    reached the user as a 40-line traceback naming no file."""
+    target = tmp_path / "checkpoint.pt"
+
+    def fail(fh):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2496")
+
+    with pytest.raises(OSError, match=r"cannot write .*checkpoint\.pt: \[enforce fail"):
+        write_atomically(target, fail)
+    assert list(tmp_path.iterdir()) == []

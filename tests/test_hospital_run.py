@@ -381,3 +381,14 @@ def test_a_run_resumed_with_other_sites_or_data_is_refused_and_its_record_kept(t
     assert (tmp_path / "runs" / "r" / "sites.json").read_text() == record
     relative = {n: os.path.relpath(p) for n, p in folders.items()}
     simulate(fed, progress=False, site_data=relative, engine="in-process")  # the same data
+
+
+def test_one_folder_given_to_two_sites_is_refused(tmp_path):
+    """Every example would train at two sites, under two ledgers."""
+    from gep_fed.validation import ConfigError
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40})
+    fed = tiny(tmp_path, rounds=1, mode="client")
+    twice = {"hospital-a": folders["hospital-a"], "copy": folders["hospital-a"] + "/."}
+    with pytest.raises(ConfigError, match="sites 'hospital-a' and 'copy' are given the same data"):
+        simulate(fed, progress=False, site_data=twice, engine="in-process")

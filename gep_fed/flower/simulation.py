@@ -219,7 +219,16 @@ def formed_sites(fed: FederationConfig, site_data: Mapping[str, str] | None) -> 
     (``sites.json``): each site's own data by its absolute path, or shares of the task's
     pooled data."""
     if site_data:
-        return {"site-data": {name: str(Path(p).resolve()) for name, p in site_data.items()}}
+        paths = {name: str(Path(p).resolve()) for name, p in site_data.items()}
+        seen: dict[str, str] = {}
+        for name, path in paths.items():
+            if path in seen:  # one data set trained twice, under two ledgers
+                raise ConfigError(
+                    f"sites {seen[path]!r} and {name!r} are given the same data ({path}): "
+                    "give each site its own"
+                )
+            seen[path] = name
+        return {"site-data": paths}
     return {"shares": fed.partition}
 
 
