@@ -476,3 +476,29 @@ def test_a_run_without_its_checkpoint_or_with_an_older_one_is_not_resumed(tmp_pa
     with pytest.raises(ValueError, match=r"cannot be read \(.*\): restore it") as err:
         make_server(tmp_path, digits, mode="central", noise_multiplier=2.0).resume()
     assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed(tmp_path):
+    """A checkpoint copied from another run (other data shares, another model) was resumed
+    when its ledger happened to agree, or crashed with a traceback after its ledger had
+    been taken: it carries its run's settings' digest, compared first."""
+    import shutil
+
+    from gep_fed.federation.rounds import open_server
+
+    def committed(name: str, **settings):
+        fed = FederationConfig(
+            run_dir=str(tmp_path), run_name=name, rounds=2, num_public=50, num_basis=8, **settings
+        )
+        server = open_server(fed, 0)
+        server._commit(1)  # round 1 accounted and checkpointed
+        server.close()
+        return fed
+
+    committed("iid", partition="iid")
+    other = committed("dirichlet", partition="dirichlet")
+    shutil.copy(tmp_path / "iid" / "checkpoint.pt", tmp_path / "dirichlet" / "checkpoint.pt")
+    server = open_server(other, 0)
+    with pytest.raises(LedgerError, match="written by a run of other settings"):
+        server.resume()
+    server.close()

@@ -7,6 +7,7 @@ line, so a crash never leaves a half-written record and never removes an earlier
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -132,6 +133,12 @@ class RunDirectory:
                 "that run to end, or give this one another run name"
             ) from None
         return held
+
+    def config_digest(self) -> str | None:
+        """SHA-256 of this run's resolved settings (``config.json``; None: not written yet):
+        a checkpoint carries it, so one from another run is never resumed."""
+        path = self.file(CONFIG)
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
     def checkpoint_round(self) -> int:
         """The last round this directory's checkpoint holds (0: none), read without loading

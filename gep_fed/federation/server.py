@@ -29,7 +29,7 @@ from gep_fed.accounting.ledger import LedgerError, PrivacyLedger
 from gep_fed.data.metrics import predict
 from gep_fed.data.task import Task, dataset_targets, stack_examples
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import BEST_MODEL, CHECKPOINT, MODEL, RunDirectory
+from gep_fed.federation.rundir import BEST_MODEL, CHECKPOINT, CONFIG, MODEL, RunDirectory
 from gep_fed.federation.site import resolve_device
 from gep_fed.federation.wire import (
     CLIPPED_SUMS,
@@ -537,6 +537,7 @@ class FederationServer:
                 # empty for the OS-keyed one, whose state would let a reader remove its noise
                 "noise": self.noise.state_dict(),
                 "ledger": self.ledger.to_json(),
+                "config_sha256": self.run.config_digest(),
                 "saved": time.time(),
             },
         )
@@ -566,6 +567,12 @@ class FederationServer:
                     "a new run)"
                 )
             return 0
+        if ckpt.get("config_sha256") not in (None, self.run.config_digest()):
+            raise LedgerError(
+                f"{CHECKPOINT} was written by a run of other settings than {self.run.path}'s "
+                f"{CONFIG}: a checkpoint of another run; refusing to resume (restore this run's "
+                "own, or start a new run)"
+            )
         if int(ckpt["round"]) < applied:
             raise LedgerError(
                 f"{CHECKPOINT} holds round {int(ckpt['round'])}, but {self.run.path} records "
