@@ -254,6 +254,9 @@ def test_image_files_of_a_format_the_task_does_not_read_are_named_not_left_out(t
         ImageFolderDataset(tmp_path)
     (tmp_path / "b" / "scan.tif").unlink()
     assert len(ImageFolderDataset(tmp_path)) == 2
+    (tmp_path / "a" / "photo.jpe").write_bytes(b"\xff\xd8")  # JPEG's rarer suffixes too
+    with pytest.raises(DataError, match=r"folder 'a' holds 1 \(\.jpe\)"):
+        ImageFolderDataset(tmp_path)
 
 
 def test_image_folder_corrupt_images_are_named_on_read_and_by_check(tmp_path):

@@ -510,7 +510,10 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
 
 
 # Image files a class folder may hold that a folder task of other formats would not read.
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".gif", ".webp", ".dcm")
+IMAGE_SUFFIXES = (
+    *(".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".tif", ".tiff", ".bmp", ".gif", ".webp"),
+    *(".dcm", ".pgm", ".ppm", ".pbm", ".pnm", ".j2k", ".jp2", ".heic", ".avif"),
+)
 
 
 class _FolderDataset(ImageDataset):
