@@ -26,9 +26,7 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> P
         with os.fdopen(fd, "wb") as fh:
             try:
                 write(fh)
-            except OSError:
-                raise
-            except Exception as err:  # e.g. torch.save's own error for a full disk
+            except RuntimeError as err:  # torch.save's own error for a full disk
                 raise OSError(f"cannot write {path}: {err}") from err
             fh.flush()
             os.fsync(fh.fileno())

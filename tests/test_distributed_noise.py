@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import dp_accounting
 import numpy as np
@@ -272,11 +273,25 @@ def test_shares_coarser_than_the_bound_assumes_are_refused_by_name():
     (1 / (1.0 sqrt(10)) = 0.32 here) the figure would not hold."""
     from gep_fed.validation import ConfigError
 
+    coarse = PrivacyContract(
+        "gp", 1.0, 0.05, noise_shares=10, quantization_bits=16, quantization_step=1.0
+    )
     with pytest.raises(ConfigError, match=r"scale 0.316 quantisation steps, below the 0.5"):
-        PrivacyContract(
-            "gp", 1.0, 0.05, noise_shares=10, quantization_bits=16, quantization_step=1.0
-        )
-    PrivacyContract("gp", 1.0, 0.05, noise_shares=10, quantization_bits=16, quantization_step=0.6)
+        coarse.checked_share_scale()
+    with pytest.raises(ConfigError, match=r"scale 0.316"):  # as a site decodes a round's
+        PrivacyContract.from_record(coarse.to_record())
+    assert replace(coarse, quantization_step=0.6).checked_share_scale().quantization_step == 0.6
+
+
+@pytest.mark.parametrize("bits", [10, 12, 16, 24])
+def test_sigma_is_calibrated_at_any_quantisation_depth_and_its_shares_are_wide_enough(bits):
+    """Calibration's probes at small sigma are coarser than the bound assumes; only the
+    contract to release is checked (checked on every contract, it refused every run at 16
+    bits or fewer)."""
+    contract = PrivacyContract("gp", 1.0, 0.05).with_distributed_noise(
+        3, bits, 100, 1024, 1.0, 3, (4.0, 1e-5)
+    )
+    assert contract.distributed_noise.share_scale(contract.noise_multiplier) >= 0.5
 
 
 def test_a_zcdp_event_composes_as_dp_accounting_composes_it():

@@ -434,20 +434,33 @@ def test_a_run_directory_is_run_by_one_process_at_a_time(tmp_path):
     fed = FederationConfig(run_dir=str(tmp_path), run_name="r", rounds=2, local_steps=1)
     first = open_server(fed, 0)
     config = (tmp_path / "r" / "config.json").read_text()
-    with pytest.raises(RunDirectoryError, match="being run by another process"):
-        open_server(fed, 0)
+    lock = str(tmp_path / "r" / "run.lock")
     holder = (
         "import fcntl, sys\n"
-        f"f = open({str(tmp_path / 'r' / 'run.lock')!r}, 'a')\n"
+        f"f = open({lock!r}, 'a')\n"
         "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n"
         "    sys.exit(3)\n"
     )
     assert subprocess.run([sys.executable, "-c", holder]).returncode == 3  # another process
-    first.close()
-    assert subprocess.run([sys.executable, "-c", holder]).returncode == 0
+    with first.run.lock():  # this process holds it again (the ServerApp within a simulation)
+        first.close()
+        assert subprocess.run([sys.executable, "-c", holder]).returncode == 3  # still held
+    assert subprocess.run([sys.executable, "-c", holder]).returncode == 0  # all let go
     second = open_server(fed, 0)  # the run is over: it may be resumed
     second.close()
     assert (tmp_path / "r" / "config.json").read_text() == config
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", f"import fcntl, time; f = open({lock!r}, 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert waiting.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryError, match="being run by another process"):
+            open_server(fed, 0)
+    finally:
+        waiting.kill()
+        waiting.wait()
 
 
 def test_a_run_without_its_checkpoint_or_with_an_older_one_is_not_resumed(tmp_path, digits):

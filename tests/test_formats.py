@@ -637,3 +637,16 @@ def test_shared_pneumoniamnist_splits():
         (native[5][0][0] * 255).round().to(torch.uint8), torch.from_numpy(arrays["val_images"][5])
     )
     assert ds[0][0].shape == (3, 64, 64)
+
+
+def test_suffix_less_dicom_folders_may_hold_a_readme_beside_them(tmp_path):
+    """``extensions=("",)`` reads suffix-less DICOM files: a README or a drive's
+    ``.fseventsd/`` beside the class folders is no image (the loose-image check refused them)."""
+    pydicom_or_skip()
+    for c in range(2):
+        write_dicom(tmp_path / f"c{c}" / "scan", np.full((4, 4), 100 * c))
+    (tmp_path / "README").write_text("scans of 2026")
+    (tmp_path / ".fseventsd").mkdir()
+    (tmp_path / ".fseventsd" / "0000").write_bytes(b"log")
+    ds = DicomFolderDataset(tmp_path, ImageTransform(size=(2, 2)), extensions=("",))
+    assert ds.classes == ["c0", "c1"] and ds.targets().tolist() == [0, 1]

@@ -276,6 +276,22 @@ def crashed_after_round_one(tmp_path) -> tuple[FederationConfig, dict[str, str]]
     return fed, folders
 
 
+def crashed_in(tmp_path, monkeypatch, owner, method: str) -> tuple[FederationConfig, dict]:
+    """A two-round run over two hospitals' folders whose first call of ``owner.method``
+    crashed (the machine went down): its settings and the folders, to resume it."""
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=2, mode="client")
+
+    def crash(self, *args):
+        raise RuntimeError("the machine went down")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(owner, method, crash)
+        with pytest.raises(RuntimeError, match="went down"):
+            simulate(fed, progress=False, site_data=folders, engine="in-process")
+    return fed, folders
+
+
 @pytest.mark.slow
 def test_a_run_that_crashes_after_its_first_round_keeps_the_record_of_its_sites(tmp_path):
     """sites.json was written only once the simulation returned: a crash after round 1 was
@@ -300,16 +316,7 @@ def test_a_run_that_crashes_inside_its_first_commit_keeps_the_record_of_its_site
     from gep_fed.federation.rundir import RunDirectory
     from gep_fed.validation import ConfigError
 
-    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
-    fed = tiny(tmp_path, rounds=2, mode="client")
-
-    def crash(self, record):
-        raise RuntimeError("the machine went down")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(RunDirectory, "append_metrics", crash)
-        with pytest.raises(RuntimeError, match="went down"):
-            simulate(fed, progress=False, site_data=folders, engine="in-process")
+    fed, folders = crashed_in(tmp_path, monkeypatch, RunDirectory, "append_metrics")
     assert (tmp_path / "runs" / "r" / "checkpoint.pt").exists()
     renamed = {"hospital-a": folders["hospital-a"], "hospital-c": folders["hospital-b"]}
     with pytest.raises(ConfigError, match=r"was trained on the sites' own data"):
@@ -328,9 +335,23 @@ def test_a_resumed_run_whose_site_ledger_was_deleted_is_refused_naming_it(tmp_pa
 
     fed, folders = crashed_after_round_one(tmp_path)
     shutil.rmtree(tmp_path / "runs" / "r" / "sites" / "hospital-b")
-    with pytest.raises(ConfigError, match=r"trained 1 round\(s\), but its site ledger\(s\) .*"
-                       r"hospital-b/ledger.json are missing"):  # fmt: skip
+    missing = r"recorded releases, but site ledger\(s\) .*hospital-b/ledger.json are missing"
+    with pytest.raises(ConfigError, match=missing):
         simulate(fed, progress=False, site_data=folders, engine="in-process")
+
+
+def test_a_renamed_site_is_refused_after_a_release_no_checkpoint_holds(tmp_path, monkeypatch):
+    """A client site records its release before it replies: a round that never reached a
+    checkpoint (too few sites, or a crash before the commit) still spent the sites' budget,
+    and a rerun that renamed a site gave its data a fresh ledger."""
+    from gep_fed.federation.server import FederationServer
+    from gep_fed.validation import ConfigError
+
+    fed, folders = crashed_in(tmp_path, monkeypatch, FederationServer, "_commit")
+    assert not (tmp_path / "runs" / "r" / "checkpoint.pt").exists()
+    renamed = {"hospital-a": folders["hospital-a"], "hospital-c": folders["hospital-b"]}
+    with pytest.raises(ConfigError, match=r"was trained on the sites' own data"):
+        simulate(fed, progress=False, site_data=renamed, engine="in-process")
 
 
 def test_a_torn_line_in_a_sites_rounds_is_kept_apart_and_the_resumed_run_finishes(tmp_path):
@@ -392,3 +413,42 @@ def test_one_folder_given_to_two_sites_is_refused(tmp_path):
     twice = {"hospital-a": folders["hospital-a"], "copy": folders["hospital-a"] + "/."}
     with pytest.raises(ConfigError, match="sites 'hospital-a' and 'copy' are given the same data"):
         simulate(fed, progress=False, site_data=twice, engine="in-process")
+
+
+def test_client_sites_given_their_own_data_normalise_by_the_size_of_that_data(tmp_path):
+    """N is the sites' own data (40 + 40), not the task's pooled set (1,437 digits): each site
+    divides by q N / 2 = q 40. The pooled size made client updates about 18 times too small."""
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    simulate(tiny(tmp_path, rounds=1, mode="client"), progress=False, site_data=folders,
+             engine="in-process")  # fmt: skip
+    config = json.loads((tmp_path / "runs" / "r" / "config.json").read_text())
+    assert config["resolved-total-examples"] == 80
+
+
+def test_a_second_simulation_of_a_running_directory_changes_nothing_in_it(tmp_path):
+    """The sites' record was checked and written before the run's lock was taken: a second
+    simulation with other data overwrote a running one's record, then failed on the lock."""
+    import subprocess
+    import sys
+
+    from gep_fed.federation.rundir import RunDirectoryError
+
+    folders = write_site_folders(tmp_path, {"hospital-a": 40, "hospital-b": 40})
+    fed = tiny(tmp_path, rounds=1, mode="client")
+    simulate(fed, progress=False, site_data=folders, engine="in-process")
+    record = (tmp_path / "runs" / "r" / "sites.json").read_text()
+    holder = subprocess.Popen(  # the first run, still running in another process
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+         str(tmp_path / "runs" / "r" / "run.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other = {"hospital-a": folders["hospital-a"], "hospital-c": folders["hospital-b"]}
+        with pytest.raises(RunDirectoryError, match="being run by another process"):
+            simulate(fed, progress=False, site_data=other, engine="in-process")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / "runs" / "r" / "sites.json").read_text() == record

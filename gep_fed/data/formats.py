@@ -543,12 +543,15 @@ class _FolderDataset(ImageDataset):
             raise DataError(f"data folder {self.root} {what}")
         extensions = tuple(e.lower() for e in extensions)
         images = (*extensions, *IMAGE_SUFFIXES)
-        # images outside any class folder have no label: never left out unseen
-        loose = [p for p in self.root.iterdir() if p.is_file() and p.suffix.lower() in images]
+        # images outside any class folder have no label: never left out unseen. Known by a
+        # suffix: a suffix-less README or a drive's .fseventsd/ is no image, even where a
+        # task reads suffix-less DICOM files in its class folders
+        suffixed = tuple(e for e in images if e)
+        loose = [p for p in self.root.iterdir() if p.is_file() and p.suffix.lower() in suffixed]
         hidden = [
             p
             for p in self.root.iterdir()
-            if p.is_dir() and p.name.startswith(".") and _files(p, images)
+            if p.is_dir() and p.name.startswith(".") and _files(p, suffixed)
         ]
         if loose or hidden:
             where = [f"{len(loose)} image(s) in the folder itself"] if loose else []

@@ -240,8 +240,9 @@ def render_report(run_dir: str | Path) -> Path:
     ledger_path = run.ledger_path
     if mech == "langevin":
         lines.append(
-            "- privacy spent: Langevin's epsilon depends on each site's data size, so only the "
-            "sites' own ledgers hold it (the table shows the largest a site reported)"
+            "- privacy spent: Langevin's steps are each accounted by the sites themselves (each "
+            "with its own noise), so only the sites' own ledgers hold it (the table shows the "
+            "largest a site reported)"
         )
     elif ledger_path.exists():
         ledger = PrivacyLedger.load(ledger_path)
@@ -367,7 +368,7 @@ def summary_lines(
         table.insert(1, ("best on validation", best))
     ledger = Path(run_dir) / "ledger.json"
     budget = f"at delta={fed.delta:g}, budget {fed.target_epsilon:g}"
-    if fed.mechanism == "langevin":  # only the sites' ledgers know it (it depends on n_i)
+    if fed.mechanism == "langevin":  # only the sites' ledgers hold it (they account it)
         table.append(("epsilon spent (largest site)", f"{last.get('epsilon', nan):.4f} {budget}"))
     elif ledger.exists():
         spent = PrivacyLedger.load(ledger)

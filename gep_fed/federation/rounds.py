@@ -54,6 +54,7 @@ from gep_fed.federation.secure_sum import (
 )
 from gep_fed.federation.server import FederationServer
 from gep_fed.federation.site_score import model_classes, score_from_counts
+from gep_fed.validation import ConfigError
 
 log = logging.getLogger("gep_fed.server")
 
@@ -324,9 +325,16 @@ def open_server(
     try:
         task = fed.make_task()
         total = fed.total_examples
-        if total is None:  # a simulation: the pooled data
-            total = len(task.train_dataset())
-            log.info("total-examples not declared: the simulation's pooled size N=%d", total)
+        if total is None:  # a simulation of shares: the pooled data
+            try:
+                total = len(task.train_dataset())
+            except NotImplementedError:
+                raise ConfigError(
+                    "total-examples is not declared and the task has no pooled data to count: "
+                    "declare total-examples, N, the size of the sites' data (each mode "
+                    "normalises by it)"
+                ) from None
+            log.info("total-examples not declared: the task's pooled size N=%d", total)
         server = FederationServer(
             fed, task, run, total, round_offset=round_offset, scored=scored, selection=selection
         )

@@ -14,6 +14,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -91,6 +92,48 @@ def rounds_not_applied(metrics: list[dict]) -> str | None:
     )
 
 
+class RunLock:
+    """An exclusive lock (flock) on a run directory's ``run.lock`` until ``close`` (or the
+    end of a ``with`` block; the operating system releases it when the process ends, however
+    it ends). Held again by the same process, it nests: the simulation holds it while the
+    ServerApp, and the strategy within it, hold it too, and it is free once all have let go."""
+
+    _held: ClassVar[dict[Path, list]] = {}  # path -> [open file, holders]
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.resolve()
+        self._open = True
+        if self.path in self._held:
+            self._held[self.path][1] += 1
+            return
+        handle = open(self.path, "a")  # noqa: SIM115 (kept open: the lock lives with it)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise RunDirectoryError(
+                f"{self.path.parent} is being run by another process (its {LOCK} is held): "
+                "wait for that run to end, or give this one another run name"
+            ) from None
+        self._held[self.path] = [handle, 1]
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        entry = self._held[self.path]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._held[self.path]
+            entry[0].close()
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class RunDirectory:
     """One run's outputs under ``path``."""
 
@@ -118,27 +161,19 @@ class RunDirectory:
             raise RunDirectoryError(f"{run.path} is not a gep-fed run directory (no {CONFIG})")
         return run
 
-    def lock(self):
-        """Hold this directory for one process: an exclusive lock on its ``run.lock`` for as
-        long as the returned file stays open (the operating system releases it when the
-        process ends, however it ends). A second process running the same directory at once
-        would overwrite the first one's checkpoint and metrics: it is refused by name."""
-        held = open(self.file(LOCK), "a")  # noqa: SIM115 (kept open: the lock lives with it)
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held.close()
-            raise RunDirectoryError(
-                f"{self.path} is being run by another process (its {LOCK} is held): wait for "
-                "that run to end, or give this one another run name"
-            ) from None
-        return held
+    def lock(self) -> RunLock:
+        """Hold this directory for this process (``RunLock``): a second process running the
+        same directory at once would overwrite the first one's checkpoint and metrics, so it
+        is refused by name (``RunDirectoryError``)."""
+        return RunLock(self.file(LOCK))
 
     def config_digest(self) -> str | None:
         """SHA-256 of this run's resolved settings (``config.json``; None: not written yet):
         a checkpoint carries it, so one from another run is never resumed."""
-        path = self.file(CONFIG)
-        return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+        if not self.file(CONFIG).exists():
+            return None
+        canonical = json.dumps(self.read_json(CONFIG), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()  # the settings, not their layout
 
     def checkpoint_round(self) -> int:
         """The last round this directory's checkpoint holds (0: none), read without loading

@@ -219,7 +219,7 @@ class FederationServer:
 
     def epsilon_spent(self, site_epsilon_max: float | None) -> float:
         """The epsilon a run shows: the federation's ledger (central mode) or each site's
-        expected spend (client mode). Langevin's spend depends on each site's data size, so
+        expected spend (client mode). Langevin's steps are accounted by the sites alone, so
         it shows the largest epsilon the sites' own ledgers report."""
         if self.langevin:
             return math.nan if site_epsilon_max is None else site_epsilon_max

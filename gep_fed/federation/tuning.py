@@ -289,8 +289,8 @@ class TuneConfig:
             raise ConfigError(f"candidate {index + 1}: {err}") from None
         if fed.mechanism == "langevin":
             raise ConfigError(
-                f"candidate {index + 1}: tune does not run langevin yet (its releases depend "
-                "on each site's data size, so no common per-trial budget can be planned)"
+                f"candidate {index + 1}: tune does not run langevin yet (each step's noise is "
+                "the site's own schedule's, so no common per-trial budget is calibrated)"
             )
         return fed
 

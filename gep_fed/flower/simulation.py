@@ -237,9 +237,11 @@ def check_same_sites(fed: FederationConfig, formed: dict) -> None:
     train on under ledgers started afresh (a renamed site's), and the record of which data
     trained the earlier rounds would be overwritten. Raises ``ConfigError`` naming both, or
     naming the missing record of a run that has trained (a checkpoint without ``sites.json``).
-    A run without a checkpoint has trained nothing: its record is written again."""
+    A run whose sites have released nothing (no checkpoint, no site ledger in it) has its
+    record written again."""
     run = RunDirectory(fed.run_directory(""))
-    if not run.file(CHECKPOINT).exists():
+    spent = run.file(CHECKPOINT).exists() or any(run.path.glob("sites/*/ledger.json"))
+    if not spent:
         return
     if not run.file(SITES).exists():
         raise ConfigError(
@@ -258,22 +260,28 @@ def check_same_sites(fed: FederationConfig, formed: dict) -> None:
         )
 
 
+def _site_ledgers(sites: Mapping[str, object]) -> list[Path]:
+    """The simulated sites' ledgers that exist in their folder."""
+    return list(Path(str(sites["ledger-dir"])).glob("*/ledger.json"))
+
+
 def check_site_ledgers_kept(
     sites: Mapping[str, object], site_data: Mapping[str, str] | None, num_sites: int, trained: int
 ) -> None:
     """A resumed simulation's sites keep their ledgers: a simulated site creates its ledger
-    where it finds none, so one deleted after round ``trained`` would start from zero though
-    its data has spent budget. Raises ``ConfigError`` naming each missing ledger."""
+    where it finds none, so one deleted after the run trained ``trained`` round(s) or its
+    other sites recorded releases would start from zero though its data has spent budget.
+    Raises ``ConfigError`` naming each missing ledger."""
     names = list(site_data) if site_data else [f"site-{i}" for i in range(num_sites)]
     folder = Path(str(sites["ledger-dir"]))
     missing = [str(folder / n / "ledger.json") for n in names]
     missing = [p for p in missing if not Path(p).exists()]
     if missing:
         raise ConfigError(
-            f"this run has trained {trained} round(s), but its site ledger(s) "
-            f"{', '.join(missing)} are missing: a site would start from zero what its data "
-            "has spent. Restore them (with their keys and marks), or start a new run (another "
-            "--run-name)"
+            f"this run has trained {trained} round(s) and its sites have recorded releases, "
+            f"but site ledger(s) {', '.join(missing)} are missing: a site would start from zero "
+            "what its data has spent. Restore them (with their keys and marks), or start a new "
+            "run (another --run-name)"
         )
 
 
@@ -296,8 +304,8 @@ def checked_simulation(
 ) -> FederationConfig:
     """``fed`` as a simulation runs it, once its simulated sites' data passed
     ``check_simulated_sites`` (``check_sites=False``: already checked for this task, model
-    and data): ``num_sites`` (and, in central mode, the declared N unless given) from
-    ``site_data``. Raises ``SiteCheckFailed`` (see ``simulate``)."""
+    and data): ``num_sites`` (and the declared N unless given) from ``site_data``. Raises
+    ``SiteCheckFailed`` (see ``simulate``)."""
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
     if site_data:
@@ -308,7 +316,7 @@ def checked_simulation(
         raise SiteCheckFailed(_site_check_text(bad))
     if bad:  # dropped as asked, never silently
         log.warning("%s", _site_check_text(bad, dropped=True))
-    if site_data and fed.noise_mode.server_steps and fed.total_examples is None:
+    if site_data and fed.total_examples is None:  # every mode normalises by the declared N
         task = fed.make_task()
         total = sum(len(task.site_dataset(path)) for path in site_data.values())
         fed = replace(fed, total_examples=total)
@@ -395,8 +403,6 @@ def simulate(
     directory's ``site_score.json``.
     """
     fed = checked_simulation(fed, engine, site_data, drop_bad_examples)
-    from gep_fed.flower.clientapp import make_client_app
-    from gep_fed.flower.serverapp import make_server_app
 
     resume = "rerun the same command"
     if not fed.run_name:
@@ -404,18 +410,35 @@ def simulate(
         fed = replace(fed, run_name=f"{stamp}-{fed.mode}-{fed.mechanism}")
         resume += f" with --run-name {fed.run_name}"
     formed = formed_sites(fed, site_data)
+    run = RunDirectory(fed.run_directory(""))
+    fresh = not run.path.exists()
+    run.path.mkdir(parents=True, exist_ok=True)
+    try:  # held from the sites' record to the run's last file
+        with run.lock():
+            return _simulate_locked(
+                fed, run, formed, resume, progress, on_round, engine, site_data, site_settings,
+                cpus_per_site, score_sites,
+            )  # fmt: skip
+    finally:
+        if fresh and run.path.is_dir() and {p.name for p in run.path.iterdir()} <= {SITES, LOCK}:
+            shutil.rmtree(run.path)  # a run that never started leaves nothing behind
+
+
+def _simulate_locked(
+    fed, run, formed, resume, progress, on_round, engine, site_data, site_settings,
+    cpus_per_site, score_sites,
+) -> SimulationResult:  # fmt: skip
+    from gep_fed.flower.clientapp import make_client_app
+    from gep_fed.flower.serverapp import make_server_app
+
     check_same_sites(fed, formed)
     fed.resolve()  # the privacy contract, sigma calibrated: an unreachable budget stops here
     done: dict = {}
     began = time.perf_counter()
     stop = StopRequest()
-    committed = [RunDirectory(fed.run_directory("")).checkpoint_round()]
-
-    run = RunDirectory(fed.run_directory(""))
-    fresh = not run.path.exists()
-    # before anything can train: no checkpoint may exist without the record of which sites'
-    # data trained it (a renamed site would otherwise resume under a fresh ledger)
-    run.path.mkdir(parents=True, exist_ok=True)
+    committed = [run.checkpoint_round()]
+    # before anything can train: no release may be recorded without the record of which
+    # sites' data made it (a renamed site would otherwise resume under a fresh ledger)
     run.write_json(SITES, formed)
 
     def on_committed(record: dict) -> None:
@@ -433,14 +456,10 @@ def simulate(
             score_sites=score_sites,
         )
         sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
-        if committed[0] > 0:  # resumed: a site's ledger started afresh would forget its spend
+        if committed[0] > 0 or _site_ledgers(sites):  # a site's fresh ledger would forget
             check_site_ledgers_kept(sites, site_data, fed.num_sites, committed[0])
         client_app = make_client_app(fed, sites)
-        try:
-            launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
-        finally:
-            if fresh and {p.name for p in run.path.iterdir()} <= {SITES, LOCK}:
-                shutil.rmtree(run.path)  # a run that never started leaves nothing behind
+        launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
     outcome = done.get("outcome")
     if outcome is None:
         raise RuntimeError("the simulation ended without finishing its server app (see the log)")

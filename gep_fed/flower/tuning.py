@@ -761,10 +761,10 @@ def _published_choice_void(result: TuneResult) -> str | None:
     there is no random K): it assumes K runs of one trial, none refused or cut short."""
     if not result.selection:
         return None
-    if result.stopped or any(t.status != "finished" for t in result.trials):
+    if result.stopped or any(t.status == "refused" for t in result.trials):
         return (
-            "the published choice's figure does not hold: a trial was refused or did not "
-            "finish, so the trials were not K runs of one trial (the sites' ledgers hold)"
+            "the published choice's figure does not hold: a trial was refused or the search "
+            "stopped early, so the trials were not K runs of one trial (the sites' ledgers hold)"
         )
     return None
 

@@ -88,16 +88,23 @@ class PrivacyContract:
         if self.is_distributed:
             if self.is_langevin:
                 raise ConfigError("langevin runs in client mode only, not distributed")
-            scale = self.distributed_noise.share_scale(self.noise_multiplier)  # t, bits, step
+            _ = self.distributed_noise  # validates t, bits and step
+        elif self.quantization_bits or self.quantization_step:
+            raise ConfigError("quantization-bits and -step are for distributed mode only")
+
+    def checked_share_scale(self) -> PrivacyContract:
+        """This contract, if each site's noise share is at least as wide as Kairouz, Liu &
+        Steinke's divergence bound assumes (Thm. 1: scale >= 1/2 quantisation step; checked
+        on a contract to release, not on calibration's probes); else ``ConfigError``."""
+        if self.is_distributed:
+            scale = self.distributed_noise.share_scale(self.noise_multiplier)
             if not scale >= MIN_SHARE_SCALE:
-                # Kairouz, Liu & Steinke's bound (Thm. 1) assumes each share's scale >= 1/2
                 raise ConfigError(
                     f"each site's noise share has scale {scale:.3g} quantisation steps, below "
                     f"the {MIN_SHARE_SCALE} the distributed bound assumes: use more "
                     "quantization bits or fewer noise shares"
                 )
-        elif self.quantization_bits or self.quantization_step:
-            raise ConfigError("quantization-bits and -step are for distributed mode only")
+        return self
 
     @property
     def is_distributed(self) -> bool:
@@ -227,7 +234,7 @@ class PrivacyContract:
             )
 
         if budget is None:
-            return fitted(self.noise_multiplier)
+            return fitted(self.noise_multiplier).checked_share_scale()
         epsilon, delta = budget
 
         def sigma_for(step: float) -> float:
@@ -238,7 +245,8 @@ class PrivacyContract:
             return calibrate(epsilon, delta, event_for)
 
         first = fitted(sigma_for(1e-12))
-        return replace(first, noise_multiplier=sigma_for(first.quantization_step))
+        final = replace(first, noise_multiplier=sigma_for(first.quantization_step))
+        return final.checked_share_scale()
 
     @classmethod
     def from_record(cls, record: Mapping, prefix: str = "privacy.") -> PrivacyContract:
@@ -254,4 +262,4 @@ class PrivacyContract:
             if is_float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             values[f.name] = value
-        return cls(**values)
+        return cls(**values).checked_share_scale()  # a site checks the contract it releases at
