@@ -237,18 +237,20 @@ def check_same_sites(fed: FederationConfig, formed: dict) -> None:
     train on under ledgers started afresh (a renamed site's), and the record of which data
     trained the earlier rounds would be overwritten. Raises ``ConfigError`` naming both, or
     naming the missing record of a run that has trained (a checkpoint without ``sites.json``).
-    A run whose sites have released nothing (no checkpoint, no site ledger in it) has its
-    record written again."""
+    The record is written before anything trains, so a run whose sites have released anything
+    (a checkpoint, or a site ledger in it) is compared with it; one that released nothing has
+    its record written again."""
     run = RunDirectory(fed.run_directory(""))
-    spent = run.file(CHECKPOINT).exists() or any(run.path.glob("sites/*/ledger.json"))
-    if not spent:
-        return
     if not run.file(SITES).exists():
-        raise ConfigError(
-            f"{run.path} has trained (it holds a checkpoint) but has no record of which sites' "
-            f"data trained it ({SITES}): restore that file to resume it, or start a new run "
-            "(another --run-name)"
-        )
+        if run.file(CHECKPOINT).exists():
+            raise ConfigError(
+                f"{run.path} has trained (it holds a checkpoint) but has no record of which "
+                f"sites' data trained it ({SITES}): restore that file to resume it, or start a "
+                "new run (another --run-name)"
+            )
+        return
+    if not (run.file(CHECKPOINT).exists() or any(run.path.glob("sites/*/ledger.json"))):
+        return  # nothing released yet
     before = run.read_json(SITES)
     if "site-data" in before:  # runs recorded before paths were made absolute
         before = {"site-data": {n: str(Path(p).resolve()) for n, p in before["site-data"].items()}}
@@ -437,6 +439,7 @@ def _simulate_locked(
     began = time.perf_counter()
     stop = StopRequest()
     committed = [run.checkpoint_round()]
+    began_before = run.file(SITES).exists()  # an earlier attempt of this run started
     # before anything can train: no release may be recorded without the record of which
     # sites' data made it (a renamed site would otherwise resume under a fresh ledger)
     run.write_json(SITES, formed)
@@ -456,7 +459,7 @@ def _simulate_locked(
             score_sites=score_sites,
         )
         sites = {**simulated_site_settings(fed, site_data), **(site_settings or {})}
-        if committed[0] > 0 or _site_ledgers(sites):  # a site's fresh ledger would forget
+        if committed[0] > 0 or (began_before and _site_ledgers(sites)):  # a fresh ledger forgets
             check_site_ledgers_kept(sites, site_data, fed.num_sites, committed[0])
         client_app = make_client_app(fed, sites)
         launch(server_app, client_app, fed.num_sites, engine, cpus_per_site)
