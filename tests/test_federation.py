@@ -449,6 +449,10 @@ def test_a_run_directory_is_run_by_one_process_at_a_time(tmp_path):
     second = open_server(fed, 0)  # the run is over: it may be resumed
     second.close()
     assert (tmp_path / "r" / "config.json").read_text() == config
+    forgotten = open_server(fed, 0)  # a server dropped without close (a strategy that failed)
+    assert subprocess.run([sys.executable, "-c", holder]).returncode == 3
+    del forgotten
+    assert subprocess.run([sys.executable, "-c", holder]).returncode == 0  # freed with it
     waiting = subprocess.Popen(
         [sys.executable, "-c", f"import fcntl, time; f = open({lock!r}, 'a'); "
          "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],

@@ -524,7 +524,14 @@ class FederationConfig:
         ``total_examples``, else the pooled data): public quantities."""
         task = self.make_task()
         num_params = sum(p.numel() for p in task.build_model().parameters() if p.requires_grad)
-        total = self.total_examples or len(task.train_dataset())
+        try:
+            total = self.total_examples or len(task.train_dataset())
+        except NotImplementedError:
+            raise ConfigError(
+                "total-examples is not declared and the task has no pooled data to count: "
+                "declare total-examples, N, the size of the sites' data (distributed mode fits "
+                "the secure sum's range to it)"
+            ) from None
         batch = self.sample_rate * total
         base = PrivacyContract(
             self.mechanism, self.noise_multiplier or 1.0, self.sample_rate, **clips

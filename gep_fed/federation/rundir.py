@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import ClassVar
@@ -92,40 +93,43 @@ def rounds_not_applied(metrics: list[dict]) -> str | None:
     )
 
 
-class RunLock:
-    """An exclusive lock (flock) on a run directory's ``run.lock`` until ``close`` (or the
-    end of a ``with`` block; the operating system releases it when the process ends, however
-    it ends). Held again by the same process, it nests: the simulation holds it while the
-    ServerApp, and the strategy within it, hold it too, and it is free once all have let go."""
-
-    _held: ClassVar[dict[Path, list]] = {}  # path -> [open file, holders]
+class _Flock:
+    """The open ``run.lock`` holding the flock; closed (and the lock freed) when the last
+    ``RunLock`` on it lets go or is dropped."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path.resolve()
-        self._open = True
-        if self.path in self._held:
-            self._held[self.path][1] += 1
-            return
-        handle = open(self.path, "a")  # noqa: SIM115 (kept open: the lock lives with it)
+        self.handle = open(path, "a")  # noqa: SIM115 (kept open: the lock lives with it)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.close()
+            self.handle.close()
             raise RunDirectoryError(
-                f"{self.path.parent} is being run by another process (its {LOCK} is held): "
-                "wait for that run to end, or give this one another run name"
+                f"{path.parent} is being run by another process (its {LOCK} is held): wait "
+                "for that run to end, or give this one another run name"
             ) from None
-        self._held[self.path] = [handle, 1]
+
+    def __del__(self) -> None:
+        self.handle.close()
+
+
+class RunLock:
+    """An exclusive lock (flock) on a run directory's ``run.lock`` until ``close`` (or the
+    end of a ``with`` block, or until it is dropped; the operating system releases it when the
+    process ends, however it ends). Held again by the same process, it nests: the simulation
+    holds it while the ServerApp, and the strategy within it, hold it too, and it is free once
+    all have let go."""
+
+    _held: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
+
+    def __init__(self, path: Path) -> None:
+        path = path.resolve()
+        flock = self._held.get(path)
+        if flock is None:
+            flock = self._held[path] = _Flock(path)
+        self._flock: _Flock | None = flock
 
     def close(self) -> None:
-        if not self._open:
-            return
-        self._open = False
-        entry = self._held[self.path]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._held[self.path]
-            entry[0].close()
+        self._flock = None
 
     def __enter__(self) -> RunLock:
         return self

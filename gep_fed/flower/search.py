@@ -161,19 +161,22 @@ def _run_trial(
         scored=spec.score_sites,
         selection=spec.selection,
     )
-    run = strategy.server.run
-    with run.lock():  # held (again) through the score and the outcome
-        try:
-            strategy.start(StoppableGrid(grid, request))
-        except RunInterrupted:
-            strategy.record_outcome(RunInterrupted(strategy.server.completed_rounds).line())
-            resume = "rerun the same command"
-            completed = strategy.server.completed_rounds
-            raise SearchInterrupted(spec.number, completed, resume) from None
-        scored = run.file(SITE_SCORE).exists()  # a finished trial rerun: asked once already
-        if spec.score_sites and strategy.server.completed_rounds and not scored:
-            strategy.loop.score_sites(FlowerGrid(grid), fed.round_timeout)
-        strategy.record_outcome()
+    try:
+        run = strategy.server.run
+        with run.lock():  # held (again) through the score and the outcome
+            try:
+                strategy.start(StoppableGrid(grid, request))
+            except RunInterrupted:
+                strategy.record_outcome(RunInterrupted(strategy.server.completed_rounds).line())
+                resume = "rerun the same command"
+                completed = strategy.server.completed_rounds
+                raise SearchInterrupted(spec.number, completed, resume) from None
+            scored = run.file(SITE_SCORE).exists()  # a finished trial rerun: asked once already
+            if spec.score_sites and strategy.server.completed_rounds and not scored:
+                strategy.loop.score_sites(FlowerGrid(grid), fed.round_timeout)
+            strategy.record_outcome()
+    finally:
+        strategy.server.close()  # the trial's directory is free for the next process
     return SimulationResult.of(run, strategy.stop_reason, began)
 
 

@@ -415,15 +415,15 @@ def simulate(
     run = RunDirectory(fed.run_directory(""))
     fresh = not run.path.exists()
     run.path.mkdir(parents=True, exist_ok=True)
-    try:  # held from the sites' record to the run's last file
-        with run.lock():
+    with run.lock():  # held from the sites' record to the run's last file
+        try:
             return _simulate_locked(
                 fed, run, formed, resume, progress, on_round, engine, site_data, site_settings,
                 cpus_per_site, score_sites,
             )  # fmt: skip
-    finally:
-        if fresh and run.path.is_dir() and {p.name for p in run.path.iterdir()} <= {SITES, LOCK}:
-            shutil.rmtree(run.path)  # a run that never started leaves nothing behind
+        finally:  # (only by the holder: a process refused the lock removes nothing)
+            if fresh and {p.name for p in run.path.iterdir()} <= {SITES, LOCK}:
+                shutil.rmtree(run.path)  # a run that never started leaves nothing behind
 
 
 def _simulate_locked(

@@ -168,7 +168,11 @@ class GEPStrategy(Strategy):
             app = make_client_app()
         """
         server = open_server(fed, run_id, round_offset, scored, selection)
-        return cls(server, progress=progress, on_round=on_round)
+        try:
+            return cls(server, progress=progress, on_round=on_round)
+        except BaseException:
+            server.close()  # the run directory's lock is not kept by a strategy never made
+            raise
 
     def record_outcome(self, interrupted: str | None = None) -> None:
         """Write how the run ended to its run directory (``OUTCOME``): why it stopped early,
