@@ -288,6 +288,20 @@ def test_client_rounds_the_sites_replied_to_but_not_applied_are_not_left_out_of_
     assert f"largest epsilon a site reported: {site_spend:.3f}" in spent
 
 
+def resumed_after_a_metrics_fault(fed, monkeypatch, fault):
+    """``fed`` simulated in process with ``fault(run_dir, record, append)`` in place of
+    writing each metrics row until it raises (the machine went down), then run again as it
+    is (the resume): the second run's result."""
+    from gep_fed.federation.rundir import RunDirectory
+
+    append = RunDirectory.append_metrics
+    monkeypatch.setattr(RunDirectory, "append_metrics", lambda run, r: fault(run, r, append))
+    with pytest.raises(RuntimeError, match="went down"):
+        simulate(fed, progress=False, engine="in-process")
+    monkeypatch.setattr(RunDirectory, "append_metrics", append)
+    return simulate(fed, progress=False, engine="in-process")
+
+
 def test_a_round_committed_before_a_crash_keeps_a_metrics_row_that_says_its_metrics_were_lost(
     tmp_path, monkeypatch
 ):
@@ -297,18 +311,13 @@ def test_a_round_committed_before_a_crash_keeps_a_metrics_row_that_says_its_metr
     from gep_fed.federation.rundir import RunDirectory
 
     fed = FederationConfig(mode="central", rounds=3, run_dir=str(tmp_path), run_name="r", **FAST)
-    append = RunDirectory.append_metrics
 
-    def crash_at_round_two(self, record):
+    def crash_at_round_two(self, record, append):
         if record["round"] == 2:
             raise RuntimeError("the machine went down")
         append(self, record)
 
-    monkeypatch.setattr(RunDirectory, "append_metrics", crash_at_round_two)
-    with pytest.raises(RuntimeError, match="went down"):
-        simulate(fed, progress=False, engine="in-process")
-    monkeypatch.setattr(RunDirectory, "append_metrics", append)
-    result = simulate(fed, progress=False, engine="in-process")
+    result = resumed_after_a_metrics_fault(fed, monkeypatch, crash_at_round_two)
     rows = RunDirectory(result.run_dir).read_metrics()
     assert [(r["round"], "metrics_lost" in r) for r in rows] == [(1, False), (2, True), (3, False)]
     assert PrivacyLedger.load(result.run_dir / "ledger.json").steps == 3
@@ -325,20 +334,15 @@ def test_a_torn_last_metrics_line_is_set_aside_when_the_run_resumes(tmp_path, mo
     from gep_fed.federation.rundir import RunDirectory
 
     fed = FederationConfig(mode="central", rounds=2, run_dir=str(tmp_path), run_name="r", **FAST)
-    append = RunDirectory.append_metrics
 
-    def torn_at_round_two(self, record):
+    def torn_at_round_two(self, record, append):
         if record["round"] != 2:
             return append(self, record)
         with open(self.file("metrics.jsonl"), "a") as fh:
             fh.write('{"round": 2, "test_acc')
         raise RuntimeError("the machine went down mid-write")
 
-    monkeypatch.setattr(RunDirectory, "append_metrics", torn_at_round_two)
-    with pytest.raises(RuntimeError, match="mid-write"):
-        simulate(fed, progress=False, engine="in-process")
-    monkeypatch.setattr(RunDirectory, "append_metrics", append)
-    result = simulate(fed, progress=False, engine="in-process")
+    result = resumed_after_a_metrics_fault(fed, monkeypatch, torn_at_round_two)
     rows = RunDirectory(result.run_dir).read_metrics()
     assert [(r["round"], "metrics_lost" in r) for r in rows] == [(1, False), (2, True)]
     assert (tmp_path / "r" / "metrics.jsonl.torn").read_text() == '{"round": 2, "test_acc\n'
