@@ -6,6 +6,7 @@ import json
 import subprocess
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -301,3 +302,26 @@ def test_a_flower_app_adds_gep_through_the_public_api(tmp_path):
         gep.start(NoSites(), initial_arrays=model_arrays(1))
     resumed = gep.start(NoSites(), initial_arrays=app_initial)  # all rounds done: none to run
     assert torch.equal(flat(resumed.arrays.to_torch_state_dict()), flat(final))
+
+
+def test_a_deployed_rounds_replies_are_seen_within_a_second_of_arriving():
+    """Flower's HTTP Grid (a deployment) has no ``pull_interval`` and would sleep 3 s
+    between pulls: each of a round's exchanges would wait up to 3 s more than its sites."""
+    import time
+
+    from gep_fed.flower.interrupt import StoppableGrid, StopRequest
+
+    class HttpLikeGrid:  # the reply arrives between the first and the second pull
+        pulls = 0
+
+        def push_messages(self, messages):
+            return ["m1"]
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            reply = SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="m1"))
+            return [reply] if self.pulls > 1 else []
+
+    began = time.monotonic()
+    replies = StoppableGrid(HttpLikeGrid(), StopRequest()).send_and_receive([], timeout=30)
+    assert len(replies) == 1 and time.monotonic() - began < 1.0

@@ -72,9 +72,9 @@ class StoppableGrid:
     def __init__(self, grid, stop: StopRequest, poll_s: float | None = None) -> None:
         self.grid = grid
         self.stop = stop
-        # as often as the Grid itself polls (Flower's in-memory Grid says it; its HTTP
-        # Grid polls every 3 s)
-        self.poll_s = poll_s if poll_s is not None else getattr(grid, "pull_interval", 3.0)
+        # as often as Flower's in-memory Grid polls; its HTTP Grid (a deployment) would
+        # sleep 3 s between pulls, and a pull is one small request to the SuperLink
+        self.poll_s = poll_s if poll_s is not None else getattr(grid, "pull_interval", 0.5)
 
     def __getattr__(self, name: str):
         return getattr(self.grid, name)
