@@ -406,6 +406,17 @@ def test_a_site_under_flwr_run_refuses_a_trial_beyond_its_budget_named_by_its_ow
     assert ledger.epsilon() == pytest.approx(epsilon_rdp(one * (k + 1), 1e-5))
 
 
+def resumes_both_trials_once(config: TuneConfig, out: Path) -> None:
+    """The same tuning rerun finishes both trials, and each site's one ledger holds both
+    trials' rounds exactly once."""
+    result = tune(config, simulate_options={"engine": "in-process"})
+    assert [t.status for t in result.trials] == ["finished", "finished"] and result.complete
+    both = both_trials(config, result.per_trial_epsilon)
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(out / "sites" / site / "ledger.json")
+        assert ledger.epsilon() == pytest.approx(both)
+
+
 def test_a_search_stopped_by_ctrl_c_in_its_second_trial_resumes_there(tmp_path, monkeypatch):
     """The first Ctrl-C during the second trial's first round: that round completes, the
     search stops naming trial 2 and its round 1, and the same tuning rerun resumes trial 2
@@ -430,12 +441,34 @@ def test_a_search_stopped_by_ctrl_c_in_its_second_trial_resumes_there(tmp_path, 
     with pytest.raises(TuneInterrupted) as stopped:
         tune(config, simulate_options={"engine": "in-process"})
     assert "in trial 2 of 2 (after its round 1)" in stopped.value.line()
-    result = tune(config, simulate_options={"engine": "in-process"})
-    assert [t.status for t in result.trials] == ["finished", "finished"] and result.complete
-    both = both_trials(config, result.per_trial_epsilon)
-    for site in ("site-0", "site-1"):
-        ledger = PrivacyLedger.load_keyed(tmp_path / "tune" / "sites" / site / "ledger.json")
-        assert ledger.epsilon() == pytest.approx(both)
+    resumes_both_trials_once(config, tmp_path / "tune")
+
+
+def test_a_search_killed_in_a_trial_after_its_checkpoint_resumes_it(tmp_path, monkeypatch):
+    """A process killed during a trial (after its round 1 is committed; modelled by an
+    exception no handler catches) leaves the record of which sites' data trained it, so the
+    same tuning rerun resumes that trial instead of refusing it as trained without one."""
+    from gep_fed.federation.rundir import SITES
+
+    class Killed(BaseException):
+        pass
+
+    handle, killed = clientapp.handle_train, []
+
+    def killing(msg, context, *args):
+        record = msg.content.config_records.get(wire.ROUND_CONFIG)
+        if record is not None and record["round"] == 2 and not killed:
+            killed.append(2)
+            raise Killed()
+        return handle(msg, context, *args)
+
+    monkeypatch.setattr(clientapp, "handle_train", killing)
+    config = two_step_sizes(tmp_path / "tune")
+    with pytest.raises(Killed):
+        tune(config, simulate_options={"engine": "in-process"})
+    (trial,) = [p for p in (tmp_path / "tune" / "trials").iterdir() if p.is_dir()]
+    assert (trial / "checkpoint.pt").exists() and (trial / SITES).exists()
+    resumes_both_trials_once(config, tmp_path / "tune")
 
 
 def test_a_simulated_site_refuses_a_round_of_no_planned_trial_and_notes_nothing(

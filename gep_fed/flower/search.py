@@ -52,13 +52,16 @@ class TrialSpec:
     ``run_dir``/``run_name``), its simulated sites' own settings over
     ``simulated_site_settings`` (budget, ledger folder, held-out examples), and whether the
     sites score its final model (``RoundLoop.score_sites``); under ``flwr run``, a private
-    selection's terms for the sites to record (``wire.SelectionTerms`` as JSON), else ""."""
+    selection's terms for the sites to record (``wire.SelectionTerms`` as JSON), else "";
+    in a simulation, the record of which sites' data trains it (``sites.json``), written
+    before it trains."""
 
     number: int
     fed: FederationConfig
     site_settings: Mapping[str, object] = field(default_factory=dict)
     score_sites: bool = False
     selection: str = ""
+    sites: Mapping[str, object] | None = None
 
 
 # Sees each trial as it ends; False stops the search there.
@@ -164,6 +167,8 @@ def _run_trial(
     try:
         run = strategy.server.run
         with run.lock():  # held (again) through the score and the outcome
+            if spec.sites is not None:  # before anything trains, as a simulation's
+                run.write_json(SITES, dict(spec.sites))
             try:
                 strategy.start(StoppableGrid(grid, request))
             except RunInterrupted:
@@ -209,9 +214,10 @@ def simulate_search(
         new_model = spec.fed.model not in models
         models.add(spec.fed.model)
         fed = checked_simulation(spec.fed, engine, site_data, drop_bad_examples, new_model)
-        check_same_sites(fed, formed_sites(fed, site_data))
+        formed = formed_sites(fed, site_data)
+        check_same_sites(fed, formed)
         fed.resolve()  # the privacy contract, sigma calibrated: an unreachable one stops here
-        checked.append(replace(spec, fed=fed))
+        checked.append(replace(spec, fed=fed, sites=formed))
     num_sites = {spec.fed.num_sites for spec in checked}
     if len(num_sites) > 1:
         raise ConfigError(f"a search's trials must have the same number of sites: {num_sites}")
@@ -231,10 +237,6 @@ def simulate_search(
     with quiet_flower(stop, committed, "rerun the same command"):
         server_app = make_search_server_app(checked, on_trial, outcome, progress, stop, committed)
         launch(server_app, make_client_app(trials=trials), num_sites.pop(), engine, cpus_per_site)
-    for spec in checked:
-        run = RunDirectory(spec.fed.run_directory(""))
-        if run.path.is_dir():
-            run.write_json(SITES, formed_sites(spec.fed, site_data))
     if "error" in outcome:
         raise outcome["error"]
     if "interrupted" in outcome:
