@@ -308,6 +308,23 @@ def test_n3_no_message_makes_a_site_reveal_a_secret_or_mask_twice(tmp_path, monk
     assert len(shares) == 3 and site_ledger_steps(tmp_path, "site-0") == 1
 
 
+def test_a_second_advertise_of_a_round_not_yet_collected_is_refused_as_replayed(tmp_path):
+    """The site signs one agreement key per round: a second advertise of the round it holds
+    a key for (or of an earlier one) is refused, as the threat model says."""
+    _, grid, _ = run(tmp_path, rounds=1)
+    context = grid.contexts[100]
+
+    def advertise_round(round_: int) -> Message:
+        stage = stage_config(ADVERTISE, round_, settings=b"s" * 32)
+        content = RecordDict({SECURE_SUM: ConfigRecord(stage)})
+        return Message(content=content, dst_node_id=100, message_type=MessageType.TRAIN)
+
+    assert not grid.app(advertise_round(2), context).has_error()
+    replies = [grid.app(advertise_round(r), context) for r in (2, 1)]
+    assert [r.error.reason for r in replies] == ["replayed round", "replayed round"]
+    assert not grid.app(advertise_round(3), context).has_error()
+
+
 @pytest.mark.parametrize("site_split", [2, 4])
 def test_n4_a_round_splitting_the_noise_otherwise_than_the_site_is_refused(
     tmp_path, monkeypatch, site_split

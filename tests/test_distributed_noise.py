@@ -283,6 +283,25 @@ def test_shares_coarser_than_the_bound_assumes_are_refused_by_name():
     assert replace(coarse, quantization_step=0.6).checked_share_scale().quantization_step == 0.6
 
 
+def test_shares_finer_than_any_modulus_holds_are_refused_and_huge_sums_do_not_overflow():
+    """A server's fine step scaled the unnoised sums past int64 only where they were large:
+    the site's error then told the server so. The share scale is bounded from public values,
+    and a sum beyond any modulus is clamped before it becomes an integer."""
+    from gep_fed.validation import ConfigError
+
+    fine = PrivacyContract(
+        "gp", 2.0, 1.0, clip_norm=0.01, noise_shares=1, quantization_bits=16,
+        quantization_step=1e-17,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"above 1.09951e\+12"):
+        PrivacyContract.from_record(fine.to_record())
+    noise = DistributedNoise(1, 16, 2.0 / 2.0**40)  # the finest share scale allowed
+    mech = PrivacyContract("gp", 2.0, 1.0, clip_norm=1.0).build_mechanism()
+    for size in (1.0, 1e20):  # a sum beyond every modulus encodes as any other
+        share = noise.encode(ClippedSums(None, torch.full((50,), size)), mech, rotation_seed=1)
+        assert share.dtype == np.int64 and share.min() >= 0 and share.max() < 2**16
+
+
 @pytest.mark.parametrize("bits", [10, 12, 16, 24])
 def test_sigma_is_calibrated_at_any_quantisation_depth_and_its_shares_are_wide_enough(bits):
     """Calibration's probes at small sigma are coarser than the bound assumes; only the

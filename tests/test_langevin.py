@@ -92,6 +92,30 @@ def test_sampling_step_has_the_algorithm_1_mean_and_variance():
     assert float(samples.var(0).mean()) == pytest.approx(var, rel=0.02)
 
 
+def test_a_step_at_the_edge_of_float32_releases_no_overflow_that_follows_the_gradient():
+    """The server sets the global model: with a parameter at float32's largest value, a step
+    taken in float32 overflowed to inf before the noise exactly where the unnoised gradient
+    pointed up. The step is taken in float64 and the noised result cast back."""
+    top = torch.finfo(torch.float32).max
+    w = torch.full((4,), top)
+    up, down = torch.full((4,), -1.0), torch.full((4,), 1.0)  # gradient step = -eta g
+    eta, lam, beta0 = 1e32, 1e-33, 1e-6  # shrink 0.1; the noise std ~1e-3
+    for g in (up, down):
+        step = langevin_update(w, g, eta, lam, beta0, NoiseSource(seed=1))
+        assert step.dtype == torch.float32 and bool(torch.isfinite(step).all()), g
+
+
+def test_a_schedule_beyond_any_useful_step_is_refused_from_its_public_values():
+    """beta0, G and n come from the round config (the server): a step or noise of 1e30 or
+    more is refused before anything is recorded or computed."""
+    from gep_fed.mechanisms.langevin import multi_pass_events
+
+    huge = LangevinConfig(schedule="multi-pass", grad_bound=0.01, beta0=1e76, batch=1)
+    with pytest.raises(ValueError, match="lower beta0"):
+        multi_pass_events(huge, 100, 2, 1)
+    assert multi_pass_events(LangevinConfig(schedule="multi-pass", beta0=1.0), 100, 2, 1)
+
+
 def test_single_pass_uses_each_example_at_most_once_and_is_one_replace_one_release():
     n = 300
     assert sum(single_pass_batch_sizes(n)) <= n

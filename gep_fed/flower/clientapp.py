@@ -391,8 +391,9 @@ def _advertise(msg: Message, context: Context, served: Served) -> Message:
     if not site.policy.accepts_secure_sum:
         raise wire.RoundRefused("mode not allowed")
     last_round = context.state.config_records.get(LAST_ROUND_KEY, {}).get(LAST_ROUND_KEY)
-    if last_round is not None and round_ <= last_round:
-        raise wire.RoundRefused("replayed round")
+    held = context.state.config_records.get(AGREEMENT_KEY, {}).get("round")
+    if any(seen is not None and round_ <= seen for seen in (last_round, held)):
+        raise wire.RoundRefused("replayed round")  # one agreement key per round, at most
     declined = context.state.config_records.get(DECLINED_KEY, {}).get(DECLINED_KEY)
     if declined is not None and round_ <= declined:
         raise wire.RoundRefused("over budget")  # the run it refused: no key for its rounds

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from gep_fed.accounting.events import PrivacyEvent, calibrate
 from gep_fed.mechanisms.clip_bounds import CLIP_BOUND
 from gep_fed.mechanisms.distributed_noise import (
+    MAX_SHARE_SCALE,
     MIN_SHARE_SCALE,
     DistributedNoise,
     distributed_event,
@@ -103,6 +104,12 @@ class PrivacyContract:
                     f"each site's noise share has scale {scale:.3g} quantisation steps, below "
                     f"the {MIN_SHARE_SCALE} the distributed bound assumes: use more "
                     "quantization bits or fewer noise shares"
+                )
+            if not scale <= MAX_SHARE_SCALE:
+                raise ConfigError(
+                    f"each site's noise share has scale {scale:.3g} quantisation steps, above "
+                    f"{MAX_SHARE_SCALE:g}: the quantization-step is far finer than any "
+                    "modulus of the secure sum holds"
                 )
         return self
 

@@ -180,6 +180,10 @@ def release_clips(mechanism: Mechanism) -> tuple[float | None, float | None]:
 # Each share's discrete Gaussian scale (in quantisation steps) that the divergence bound tau
 # assumes (Kairouz, Liu & Steinke 2021, Thm. 1): at least 1/2.
 MIN_SHARE_SCALE = 0.5
+# The largest share scale and quantised value a site samples from: far beyond what any
+# 2**MAX_BITS modulus uses, and far inside int64 (OpenDP's sampler) with the noise added.
+MAX_SHARE_SCALE = 2.0**40
+MAX_QUANTISED = 2.0**52
 
 
 @dataclass(frozen=True)
@@ -265,7 +269,12 @@ class DistributedNoise:
         d = padded_dimension(flat.numel())
         x = torch.zeros(d, dtype=torch.float64)
         x[: flat.numel()] = flat
-        rotated = hadamard(x * rotation_signs(rotation_seed, d)) / self.step
+        # clamped before the integers: a step the server chose fine enough would otherwise
+        # overflow int64 exactly where the unnoised sums are large (an error that depends on
+        # the data); the clamp is 1-Lipschitz per coordinate, so the sensitivity holds
+        rotated = (hadamard(x * rotation_signs(rotation_seed, d)) / self.step).clamp(
+            -MAX_QUANTISED, MAX_QUANTISED
+        )
         rounded = torch.floor(rotated + torch.from_numpy(os_uniforms(d)))
         noisy = discrete_gaussian(rounded.numpy(), self.share_scale(mechanism.noise_multiplier))
         return np.mod(noisy, self.modulus)

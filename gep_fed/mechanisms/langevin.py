@@ -134,12 +134,16 @@ def langevin_update(
     beta0: float,
     noise: NoiseSource,
 ) -> torch.Tensor:
-    """One step of Algorithm 1: gradient step, shrink toward 0, Gaussian noise."""
+    """One step of Algorithm 1: gradient step, shrink toward 0, Gaussian noise. The step
+    is taken in float64 and cast back after the noise: in float32, ``eta * grad`` could
+    overflow before it (an inf no noise hides, in the sign of the unnoised sum), while a
+    cast after it is post-processing."""
     shrink = lam * eta
     if not (0 < shrink <= 1):
         raise ValueError(f"lambda_t * eta_t must be in (0, 1], got {shrink}")
-    mean = (1 - shrink) * (params - eta * grad)
-    return mean + noise.gaussian(mean, math.sqrt(shrink * (2 - shrink) * beta0))
+    mean = (1 - shrink) * (params.double() - eta * grad.double())
+    noised = mean + noise.gaussian(mean, math.sqrt(shrink * (2 - shrink) * beta0))
+    return noised.to(params.dtype)
 
 
 @dataclass(frozen=True)
@@ -203,21 +207,35 @@ def multi_pass_rates(t: int, n: int, config: LangevinConfig) -> tuple[float, flo
     return eta, 1.0 / eta - 1.0 / multi_pass_eta(t - 1, n, c.beta0, c.grad_bound, c.delta)
 
 
+# The largest step ``eta_t G`` or noise std a multi-pass step may take: far above any useful
+# schedule, far below float32's range (a model's parameters).
+MAX_STEP_SCALE = 1e30
+
+
 def multi_pass_events(
     config: LangevinConfig, n: int, first_step: int, steps: int, party: str = ""
 ) -> list[PrivacyEvent]:
     """Per-step accounting of multi-pass steps ``first_step .. first_step + steps - 1``:
-    noise std over the sensitivity ``(1 - lambda_t eta_t) eta_t G / batch`` of the mean."""
+    noise std over the sensitivity ``(1 - lambda_t eta_t) eta_t G / batch`` of the mean.
+    Raises ``ValueError`` for a schedule whose step or noise exceeds ``MAX_STEP_SCALE``
+    (public values: beta0, G, n, delta), which would leave the model's float range."""
     c = config
     q = min(1.0, c.batch / n)
     events = []
     for t in range(first_step, first_step + steps):
         eta, lam = multi_pass_rates(t, n, c)
         shrink = lam * eta
+        std = math.sqrt(shrink * (2 - shrink) * c.beta0)
+        if not (eta * c.grad_bound <= MAX_STEP_SCALE and std <= MAX_STEP_SCALE):
+            raise ValueError(
+                f"Langevin step {t} would move by eta_t G = {eta * c.grad_bound:.3g} with noise "
+                f"std {std:.3g} (beta0 {c.beta0:g}, G {c.grad_bound:g}, n {n}): above "
+                f"{MAX_STEP_SCALE:g}, outside any useful schedule; lower beta0"
+            )
         if shrink >= 1:  # the output forgets the gradient entirely: nothing released
             continue
         sensitivity = (1 - shrink) * eta * c.grad_bound / c.batch
-        sigma = _round_down(math.sqrt(shrink * (2 - shrink) * c.beta0) / sensitivity)
+        sigma = _round_down(std / sensitivity)
         events.append(
             PrivacyEvent.gaussian(
                 "langevin", sigma, q, 1, accounting_noise_multiplier=sigma, party=party
