@@ -141,12 +141,15 @@ def _refuse_task(client, fab_hash: str, reason: str) -> None:
         push_task_output(client, None, SubStatus.FAILED, f"unpinned app bundle {fab_hash}")
 
 
-# What each forked task process finds imported: the runner, and the site's own gep_fed (the
-# one a task process imported before loading a bundle anyway: this module is part of it).
+# What each forked task process finds imported: the runner, the site's own gep_fed (the
+# one a task process imported before loading a bundle anyway: this module is part of it),
+# and torch's compiler, which torch imports at a round's first optimizer or convolution's
+# per-example gradient (about 2 s of every round at a site otherwise).
 TASK_PRELOAD = (
     "flwr.supernode.cli.flwr_clientapp",
     "flwr.supernode.runtime.run_clientapp",
     "gep_fed.flower.clientapp",
+    "torch._dynamo",
 )
 
 
