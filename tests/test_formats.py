@@ -299,6 +299,20 @@ def test_image_folder_mixed_sizes_need_a_declared_resize(tmp_path):
     )
 
 
+def test_an_unreadable_first_file_is_one_bad_example_not_the_reference_of_every_other(tmp_path):
+    """The others' size was checked against the first file's header: when that file was
+    unreadable, every image failed and a site could answer no round."""
+    write_pngs(tmp_path, {"a": [np.zeros((8, 8), np.uint8)] * 3, "b": [np.zeros((8, 8), np.uint8)]})
+    first = tmp_path / "a" / "0.png"
+    first.write_bytes(first.read_bytes()[:20])
+    ds = ImageFolderDataset(tmp_path)
+    assert [ds[i][0].shape for i in (1, 2, 3)] == [(1, 8, 8)] * 3
+    with pytest.raises(DataError, match=r"a/0\.png"):
+        ds[0]
+    with pytest.raises(DataError, match=r"a/0\.png: not a readable image"):
+        ds.check()
+
+
 # --- numpy archives -----------------------------------------------------------------------
 
 

@@ -147,6 +147,40 @@ def test_a_site_refuses_a_score_it_does_not_release_or_cannot_afford(tmp_path):
     assert poor.ledger.events == ()
 
 
+def test_a_score_forwards_at_most_the_sites_max_chunk_examples_at_once(tmp_path):
+    """Its memory follows the site's own bound, not the private number of held-out examples
+    (1,000 at once before: a device sized for max-chunk failed, after the record, only when
+    the site held many)."""
+    site = scoring_site(tmp_path)
+    site.max_chunk = 4
+    widths = []
+    site.model.register_forward_hook(lambda _m, args, _out: widths.append(len(args[0])))
+    site.score_counts(3)
+    assert len(site.validation) > 4 and max(widths) == 4
+
+
+def test_a_score_the_site_cannot_count_is_refused_before_it_is_recorded(tmp_path):
+    site = scoring_site(tmp_path)
+    site.kind = "multilabel"
+    with pytest.raises(ConfigError, match="counts classes"):
+        site.score_counts(3)
+    assert site.ledger.events == ()
+
+
+def test_a_binary_task_with_bool_labels_is_counted_and_its_unreadable_examples_nowhere():
+    """A bool label cannot be rounded, and -1 as a bool is True: the counts use float64."""
+
+    class Flagged(CheckedExamples):  # example 0 fails its checks
+        def __getitem__(self, i):
+            x, y, valid = super().__getitem__(i)
+            return x, y, valid and i != 0
+
+    data = TensorDataset(torch.randn(12, 4), torch.arange(12) % 2 == 1)
+    model = small_classifier(2)
+    counts = class_counts(model, Flagged.of(data, "binary", model), "binary", 2)
+    assert counts[0].tolist() == [5.0, 6.0]  # example 0 (label False) counts nowhere
+
+
 def test_a_score_reply_is_exactly_its_counts():
     good = wire.encode_counts(np.ones((2, 3)))
     arrays = {k: wire.as_wire_array(v) for k, v in good.items()}

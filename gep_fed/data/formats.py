@@ -510,6 +510,9 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
 
 
 # Image files a class folder may hold that a folder task of other formats would not read.
+# Files tried, in order, for the shape a folder's images must match: the first readable.
+SHAPE_REFERENCE_SEARCH = 100
+
 IMAGE_SUFFIXES = (
     *(".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".tif", ".tiff", ".bmp", ".gif", ".webp"),
     *(".dcm", ".pgm", ".ppm", ".pbm", ".pnm", ".j2k", ".jp2", ".heic", ".avif"),
@@ -649,7 +652,7 @@ class _FolderDataset(ImageDataset):
         if size is not None and channels is not None:
             return
         if self._reference is None:
-            self._reference = (self.files[0], self._header(self.files[0]))
+            self._reference = self._first_readable()
         first, expected = self._reference
         if size is None and shape[:2] != expected[:2]:
             raise DataError(
@@ -663,10 +666,24 @@ class _FolderDataset(ImageDataset):
                 f"(that of {first}); declare ImageTransform(channels=...) to convert"
             )
 
+    def _first_readable(self) -> tuple[Path, tuple[int, int, int]]:
+        """The first file whose header reads, and its shape: what the others must match. An
+        unreadable first file is one bad example, as any other is (taking its shape, every
+        example failed: a site whose first file went bad could not answer a round)."""
+        for path in self.files[:SHAPE_REFERENCE_SEARCH]:
+            try:
+                return path, self._header(path)
+            except DataError:
+                continue
+        raise DataError(
+            f"none of the first {min(len(self.files), SHAPE_REFERENCE_SEARCH)} files under "
+            f"{self.root} can be read ({self.files[0]} first): check the data folder"
+        )
+
     def check(self) -> None:
         """Read every file's header (no pixel decoding) and raise ``DataError`` naming the first
-        unreadable file, or the first whose size or channels differ from the first file's where
-        the transform does not resize or convert them."""
+        unreadable file, or the first whose size or channels differ from the first readable
+        file's where the transform does not resize or convert them."""
         for path in self.files:
             self._check_shape(path, self._header(path))
 

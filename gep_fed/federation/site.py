@@ -35,6 +35,7 @@ from gep_fed.data.task import CheckedExamples, Task, dataset_targets, stack_exam
 from gep_fed.federation.modes import SiteRelease
 from gep_fed.federation.policy import SiteConfig, SitePolicy
 from gep_fed.federation.site_score import (
+    check_countable,
     class_counts,
     noisy_counts,
     score_event,
@@ -191,11 +192,12 @@ class Site:
         std = self.policy.score_noise
         if std is None or self.validation is None:
             raise RoundRefused("release not allowed")
+        check_countable(self.kind)
         try:
             self.ledger.record(score_event(std, self.site_id))
         except BudgetExceededError:
             raise RoundRefused("over budget") from None
-        counts = class_counts(self.model, self.validation, self.kind, classes)
+        counts = class_counts(self.model, self.validation, self.kind, classes, self.max_chunk)
         return noisy_counts(counts, std, self.noise)
 
     def rebuild_subspace(self, anchors: AnchorSet) -> AnchorSubspace:

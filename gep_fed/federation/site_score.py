@@ -97,20 +97,31 @@ class _CountedPairs(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y, valid = self.examples[i]
-        return x, y if valid else torch.full_like(y, -1)
+        # float64 whatever the label's dtype: a bool label has no -1 and cannot be rounded
+        return x, y.to(torch.float64) if valid else torch.full(y.shape, -1.0, dtype=torch.float64)
 
 
-def class_counts(model: nn.Module, data: CheckedExamples, kind: str, classes: int) -> np.ndarray:
+def check_countable(kind: str) -> None:
+    """``ConfigError`` unless a task of ``kind`` can be scored by class counts: checked
+    before the release is recorded, so a score the site cannot compute spends nothing."""
+    if kind not in ("multiclass", "binary"):
+        raise ConfigError(f"a site's score counts classes: not for {kind!r} tasks")
+
+
+def class_counts(
+    model: nn.Module, data: CheckedExamples, kind: str, classes: int, batch_size: int = 128
+) -> np.ndarray:
     """(2, classes): per class, the held-out examples and those ``model`` predicts right.
     ``classes`` is the task's (public: the model's outputs), never read from the data; an
     example whose label is not one of them counts nowhere, as training drops it, and so does
-    one that cannot be read or checked: an error would tell the server it exists."""
-    if kind not in ("multiclass", "binary"):
-        raise ConfigError(f"a site's score counts classes: not for {kind!r} tasks")
+    one that cannot be read or checked: an error would tell the server it exists.
+    ``batch_size`` examples at most are forwarded at once (a site's ``max_chunk``: its memory
+    follows no private count)."""
+    check_countable(kind)
     counts = np.zeros((2, classes))
     if len(data) == 0:
         return counts
-    logits, targets = predict(model, _CountedPairs(data))
+    logits, targets = predict(model, _CountedPairs(data), batch_size=batch_size)
     if logits.ndim == 1 or logits.shape[1] == 1:
         predicted = (logits.reshape(-1) > 0).long()
     else:
