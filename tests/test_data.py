@@ -207,6 +207,25 @@ def test_an_example_with_non_finite_inputs_is_named_by_the_check_and_never_train
     assert [bool(checked[i][2]) for i in range(4)] == [True, True, False, False]
 
 
+def test_an_example_whose_label_is_not_a_class_is_never_trained_as_the_nearest_one():
+    """A float label 2.5 was cast to the placeholder's integer before it was checked: the
+    check named it, and training used it as class 2 (a relabelled example)."""
+    from gep_fed.data.models import MLP
+    from gep_fed.data.task import CheckedExamples
+
+    class Labels(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.zeros(3), [1, 2, 2.5, 2.0][i]
+
+    checked = CheckedExamples.of(Labels(), "multiclass", MLP(3, 3, hidden=()))
+    assert checked.problem(2) is not None
+    assert [bool(checked[i][2]) for i in range(4)] == [True, True, False, True]
+    assert int(checked[3][1]) == 2
+
+
 def test_an_empty_data_set_is_named_as_empty():
     from gep_fed.data.models import MLP
     from gep_fed.data.task import CheckedExamples

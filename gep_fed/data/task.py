@@ -339,11 +339,15 @@ class CheckedExamples(Dataset):
         try:
             x, y = self.dataset[i]
             x = torch.as_tensor(x, dtype=torch.float32)
-            y = torch.as_tensor(y).to(self.placeholder[1].dtype)
+            given = torch.as_tensor(y)
+            y = given.to(self.placeholder[1].dtype)
             ok = (
                 x.shape == self.placeholder[0].shape
                 and y.shape == self.placeholder[1].shape
-                and target_is_valid(self.kind, self.num_outputs, y)
+                # the label as given (as ``problem`` judges it), kept by the cast: a label of
+                # 2.5 is not class 2
+                and target_is_valid(self.kind, self.num_outputs, given)
+                and bool((y.to(given.dtype) == given).all())
                 and bool(torch.isfinite(x).all())
             )
         except Exception:  # counted nowhere; ``problem(i)`` tells the site's own check
