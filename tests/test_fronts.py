@@ -95,6 +95,26 @@ def test_any_size_and_channel_count_is_resized_then_scattered_once(monkeypatch, 
     assert not (tmp_path / "cache").exists()  # never written to disk
 
 
+def test_an_example_that_is_not_an_image_is_one_bad_example_of_a_front():
+    """One (H, W) example made every read of the data set fail (a site could answer no
+    round); it keeps its error alone, as an unreadable one does."""
+    from gep_fed.data.formats import DataError
+    from gep_fed.data.fronts import FrontDataset
+
+    class OneFlat(Dataset):
+        def __len__(self):
+            return 6
+
+        def __getitem__(self, i):
+            x = torch.full((1, 4, 4), float(i))
+            return (x[0] if i == 4 else x), i % 2
+
+    front = FrontDataset(OneFlat(), lambda rows: torch.stack([r.flatten() for r in rows]), "t")
+    assert front[5][0].tolist() == [5.0] * 16 and int(front[5][1]) == 1
+    with pytest.raises(DataError, match=r"example 4 is not a \(C, H, W\) image"):
+        front[4]
+
+
 def test_front_size_caps_each_side_and_rounds_to_a_multiple_of_four():
     assert front_size(224, 224) == (32, 32)
     assert front_size(28, 28) == (28, 28)

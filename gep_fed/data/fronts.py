@@ -95,9 +95,10 @@ def resize(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
 class FrontDataset(Dataset):
     """An inner data set's examples through a front, computed once, on the first read.
 
-    An example the inner data set cannot read, or of another channel count than the
-    front's, keeps its error: reading it raises ``DataError`` (a site's ``CheckedExamples``
-    then leaves it out of every sample and its site check names it)."""
+    An example the inner data set cannot read, that is not a (C, H, W) image, or of another
+    channel count than the front's, keeps its error: reading it raises ``DataError`` (a
+    site's ``CheckedExamples`` then leaves it out of every sample and its site check names
+    it)."""
 
     def __init__(
         self, inner: Dataset, front: Callable[[list[torch.Tensor]], torch.Tensor], name: str
@@ -118,17 +119,18 @@ class FrontDataset(Dataset):
         for i in range(len(self.inner)):
             try:
                 x, y = self.inner[i]
-                rows.append(torch.as_tensor(x, dtype=torch.float32))
-                self._labels.append(torch.as_tensor(y))
-                kept.append(i)
+                x, label = torch.as_tensor(x, dtype=torch.float32), torch.as_tensor(y)
             except Exception as err:  # kept, and raised when the example is read
                 self._labels.append(torch.tensor(-1))
                 self._errors[i] = f"cannot be read: {err}"
-        for index, x in zip(kept, rows, strict=True):
-            if x.ndim != 3:
-                raise DataError(
-                    f"example {index}: a front takes (C, H, W) images, got shape {tuple(x.shape)}"
-                )
+                continue
+            if x.ndim != 3:  # one example's error, as an unreadable one's
+                self._labels.append(torch.tensor(-1))
+                self._errors[i] = f"is not a (C, H, W) image a front takes: shape {tuple(x.shape)}"
+                continue
+            rows.append(x)
+            self._labels.append(label)
+            kept.append(i)
         digest = hashlib.sha256(f"{self.name} {kept}".encode())
         for x in rows:
             digest.update(f"{tuple(x.shape)}".encode())
