@@ -221,9 +221,14 @@ def test_an_example_whose_label_is_not_a_class_is_never_trained_as_the_nearest_o
             return torch.zeros(3), [1, 2, 2.5, 2.0][i]
 
     checked = CheckedExamples.of(Labels(), "multiclass", MLP(3, 3, hidden=()))
-    assert checked.problem(2) is not None
+    assert [checked.problem(i) is None for i in range(4)] == [True, True, False, True]
     assert [bool(checked[i][2]) for i in range(4)] == [True, True, False, True]
     assert int(checked[3][1]) == 2
+    # soft multi-label targets of another float dtype only round: each is kept
+    soft = torch.utils.data.TensorDataset(torch.zeros(2, 3), torch.tensor([[0.0, 1.0], [0.1, 0.9]]))
+    mixed = [(x, y.double() if i else y) for i, (x, y) in enumerate(soft)]
+    kept = CheckedExamples.of(mixed, "multilabel", MLP(3, 2, hidden=()))
+    assert [kept.problem(i) for i in range(2)] == [None, None] and bool(kept[1][2])
 
 
 def test_an_empty_data_set_is_named_as_empty():

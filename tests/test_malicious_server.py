@@ -482,6 +482,29 @@ def test_a_basis_that_is_not_orthonormal_is_refused(tmp_path, digits, hospital):
     assert site_ledger(hospital).steps == 0
 
 
+def test_a_langevin_schedule_whose_steps_leave_the_float_range_is_refused_unrecorded(
+    tmp_path, hospital
+):
+    """The server sets beta0, G and the declared n: a prior variance of 1e76 made a float32
+    step overflow before its noise, where the unnoised gradient pointed. Such a schedule is
+    refused as malformed from its public values, with nothing recorded."""
+    from dataclasses import replace
+
+    task = DigitsTask(TaskSettings(num_public=200, model="linear"))
+    server = make_server(
+        tmp_path, task, mode="client", mechanism="langevin", model="linear",
+        sample_rate=1.0, local_steps=1, rounds=2,
+    )  # fmt: skip
+    plan = server.plan_round(2)
+    attack = replace(plan.config.privacy, langevin_beta0=1e76, clip_norm=0.01)
+    reply, _ = answer(
+        round_message(server, 2, {"privacy": attack, "site_examples": 100}),
+        {**hospital, "model": "linear"},
+        server.cfg,
+    )
+    assert refused(reply, "malformed round") and site_ledger(hospital).steps == 0
+
+
 @pytest.mark.parametrize("second_round", [3, 2], ids=["replayed", "backwards"])
 def test_a_replayed_or_backwards_round_is_refused(tmp_path, digits, hospital, second_round):
     server = make_server(tmp_path, digits)

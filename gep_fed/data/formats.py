@@ -509,10 +509,10 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in extensions and p.is_file())
 
 
-# Image files a class folder may hold that a folder task of other formats would not read.
 # Files tried, in order, for the shape a folder's images must match: the first readable.
 SHAPE_REFERENCE_SEARCH = 100
 
+# Image files a class folder may hold that a folder task of other formats would not read.
 IMAGE_SUFFIXES = (
     *(".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".tif", ".tiff", ".bmp", ".gif", ".webp"),
     *(".dcm", ".pgm", ".ppm", ".pbm", ".pnm", ".j2k", ".jp2", ".heic", ".avif"),
@@ -670,14 +670,15 @@ class _FolderDataset(ImageDataset):
         """The first file whose header reads, and its shape: what the others must match. An
         unreadable first file is one bad example, as any other is (taking its shape, every
         example failed: a site whose first file went bad could not answer a round)."""
+        first_error = None
         for path in self.files[:SHAPE_REFERENCE_SEARCH]:
             try:
                 return path, self._header(path)
-            except DataError:
-                continue
+            except DataError as err:
+                first_error = first_error or err
         raise DataError(
             f"none of the first {min(len(self.files), SHAPE_REFERENCE_SEARCH)} files under "
-            f"{self.root} can be read ({self.files[0]} first): check the data folder"
+            f"{self.root} can be read (the first: {first_error}): check the data folder"
         )
 
     def check(self) -> None:

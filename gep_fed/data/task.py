@@ -333,7 +333,16 @@ class CheckedExamples(Dataset):
             return f"target {y.tolist()} does not suit a {self.kind} model of {outputs}"
         if y.shape != self.placeholder[1].shape:
             return f"target shape {tuple(y.shape)}, expected {tuple(self.placeholder[1].shape)}"
+        if not self._cast_keeps(y, y.to(self.placeholder[1].dtype)):
+            return f"target {y.tolist()} is not a {self.placeholder[1].dtype} label as the others"
         return None
+
+    def _cast_keeps(self, given: torch.Tensor, cast: torch.Tensor) -> bool:
+        """Whether casting a label to the placeholder's dtype kept it: an integer or bool
+        placeholder truncates (2.5 is not class 2); a float one only rounds."""
+        if cast.dtype.is_floating_point:
+            return True
+        return bool((cast.to(given.dtype) == given).all())
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         try:
@@ -344,10 +353,8 @@ class CheckedExamples(Dataset):
             ok = (
                 x.shape == self.placeholder[0].shape
                 and y.shape == self.placeholder[1].shape
-                # the label as given (as ``problem`` judges it), kept by the cast: a label of
-                # 2.5 is not class 2
                 and target_is_valid(self.kind, self.num_outputs, given)
-                and bool((y.to(given.dtype) == given).all())
+                and self._cast_keeps(given, y)
                 and bool(torch.isfinite(x).all())
             )
         except Exception:  # counted nowhere; ``problem(i)`` tells the site's own check

@@ -72,8 +72,9 @@ class StoppableGrid:
     def __init__(self, grid, stop: StopRequest, poll_s: float | None = None) -> None:
         self.grid = grid
         self.stop = stop
-        # as often as Flower's in-memory Grid polls; its HTTP Grid (a deployment) would
-        # sleep 3 s between pulls, and a pull is one small request to the SuperLink
+        # as often as the Grid says it polls (Flower's in-memory Grid: 0.1 s); its HTTP Grid
+        # (a deployment) says nothing and would sleep 3 s between pulls: 0.5 s, one small
+        # request to the SuperLink each
         self.poll_s = poll_s if poll_s is not None else getattr(grid, "pull_interval", 0.5)
 
     def __getattr__(self, name: str):

@@ -54,6 +54,7 @@ from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.observer import NoisyRelease, Observers, ReleaseObserver
 from gep_fed.mechanisms.per_example import IncompatibleModelError, LossFn, per_example_gradients
 from gep_fed.mechanisms.sampling import PoissonSampler
+from gep_fed.validation import ConfigError
 
 SCHEDULES = ("single-pass", "multi-pass")
 
@@ -217,8 +218,9 @@ def multi_pass_events(
 ) -> list[PrivacyEvent]:
     """Per-step accounting of multi-pass steps ``first_step .. first_step + steps - 1``:
     noise std over the sensitivity ``(1 - lambda_t eta_t) eta_t G / batch`` of the mean.
-    Raises ``ValueError`` for a schedule whose step or noise exceeds ``MAX_STEP_SCALE``
-    (public values: beta0, G, n, delta), which would leave the model's float range."""
+    Raises ``ConfigError`` for a schedule whose step or noise exceeds ``MAX_STEP_SCALE``
+    (public values: beta0, G, n, delta), which would leave the model's float range (a site
+    refuses such a round as malformed)."""
     c = config
     q = min(1.0, c.batch / n)
     events = []
@@ -227,7 +229,7 @@ def multi_pass_events(
         shrink = lam * eta
         std = math.sqrt(shrink * (2 - shrink) * c.beta0)
         if not (eta * c.grad_bound <= MAX_STEP_SCALE and std <= MAX_STEP_SCALE):
-            raise ValueError(
+            raise ConfigError(
                 f"Langevin step {t} would move by eta_t G = {eta * c.grad_bound:.3g} with noise "
                 f"std {std:.3g} (beta0 {c.beta0:g}, G {c.grad_bound:g}, n {n}): above "
                 f"{MAX_STEP_SCALE:g}, outside any useful schedule; lower beta0"
