@@ -393,6 +393,9 @@ def test_show_settings_prints_a_tasks_resolved_settings_and_runs_nothing(capsys,
     assert rows["num-basis"] == [str(SMALL_DATA_RECIPE["num_basis"]), "(task", "pneumonia)"]
     assert rows["seed"] == ["0", "(default)"]
     assert list(tmp_path.iterdir()) == []
+    # settings a run would refuse before its first round are refused here too (exit 0 before)
+    assert main([*args, "--target-epsilon", "1e-6", "--show-settings"]) == 2
+    assert "error:" in capsys.readouterr().err
 
 
 def _run_directory(path, rows, config=None, **files):

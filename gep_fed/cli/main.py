@@ -157,6 +157,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.show_settings:
         print("\n".join(settings_lines(args)))
+        # what a run refuses before its first round (an unreachable budget) is refused here
+        federation_config(args, announce=False).resolve()
         return 0
     site_data = site_data_from_pairs(args.site_data)
     if site_data:  # the sites given their own data are the federation
