@@ -229,6 +229,10 @@ def test_an_example_whose_label_is_not_a_class_is_never_trained_as_the_nearest_o
     mixed = [(x, y.double() if i else y) for i, (x, y) in enumerate(soft)]
     kept = CheckedExamples.of(mixed, "multilabel", MLP(3, 2, hidden=()))
     assert [kept.problem(i) for i in range(2)] == [None, None] and bool(kept[1][2])
+    # a class index of a float reference rounds to another class in bfloat16: left out
+    wide = [(torch.zeros(3), torch.tensor(3.0, dtype=torch.bfloat16)), (torch.zeros(3), 257)]
+    classes = CheckedExamples.of(wide, "multiclass", MLP(3, 300, hidden=()))
+    assert classes.problem(1) is not None and not bool(classes[1][2])
 
 
 def test_an_empty_data_set_is_named_as_empty():

@@ -107,12 +107,14 @@ def test_an_example_that_is_not_an_image_is_one_bad_example_of_a_front():
 
         def __getitem__(self, i):
             x = torch.full((1, 4, 4), float(i))
-            return (x[0] if i == 4 else x), i % 2
+            return (x[0] if i == 4 else torch.zeros(1, 0, 4) if i == 2 else x), i % 2
 
     front = FrontDataset(OneFlat(), lambda rows: torch.stack([r.flatten() for r in rows]), "t")
     assert front[5][0].tolist() == [5.0] * 16 and int(front[5][1]) == 1
     with pytest.raises(DataError, match=r"example 4 is not a \(C, H, W\) image"):
         front[4]
+    with pytest.raises(DataError, match=r"example 2 is not .* shape \(1, 0, 4\)"):
+        front[2]
 
 
 def test_front_size_caps_each_side_and_rounds_to_a_multiple_of_four():

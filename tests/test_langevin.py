@@ -27,6 +27,7 @@ from gep_fed.mechanisms.langevin import (
 from gep_fed.mechanisms.mechanism import GP
 from gep_fed.mechanisms.noise import NoiseSource
 from gep_fed.mechanisms.per_example import IncompatibleModelError, per_example_gradients
+from gep_fed.validation import ConfigError
 
 
 def direct_bound(alpha, eta, G, beta0, sizes):
@@ -113,7 +114,12 @@ def test_a_schedule_beyond_any_useful_step_is_refused_from_its_public_values():
     huge = LangevinConfig(schedule="multi-pass", grad_bound=0.01, beta0=1e76, batch=1)
     with pytest.raises(ValueError, match="lower beta0"):
         multi_pass_events(huge, 100, 2, 1)
-    assert multi_pass_events(LangevinConfig(schedule="multi-pass", beta0=1.0), 100, 2, 1)
+    plain = LangevinConfig(schedule="multi-pass", beta0=1.0, delta=1e-5)
+    assert multi_pass_events(plain, 100, 2, 1)
+    # n delta >= 2.5 t^2 leaves Theorem 2's log term at or below 0: named, not a math error
+    for n, first in ((250_000, 1), (250_001, 1), (500_000, 2)):
+        with pytest.raises(ConfigError, match=r"n \* delta < 2\.5 t\^2"):
+            multi_pass_events(plain, n, first, 1)
 
 
 def test_single_pass_uses_each_example_at_most_once_and_is_one_replace_one_release():

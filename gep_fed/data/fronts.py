@@ -124,7 +124,7 @@ class FrontDataset(Dataset):
                 self._labels.append(torch.tensor(-1))
                 self._errors[i] = f"cannot be read: {err}"
                 continue
-            if x.ndim != 3:  # one example's error, as an unreadable one's
+            if x.ndim != 3 or x.numel() == 0:  # one example's error, as an unreadable one's
                 self._labels.append(torch.tensor(-1))
                 self._errors[i] = f"is not a (C, H, W) image a front takes: shape {tuple(x.shape)}"
                 continue

@@ -338,9 +338,10 @@ class CheckedExamples(Dataset):
         return None
 
     def _cast_keeps(self, given: torch.Tensor, cast: torch.Tensor) -> bool:
-        """Whether casting a label to the placeholder's dtype kept it: an integer or bool
-        placeholder truncates (2.5 is not class 2); a float one only rounds."""
-        if cast.dtype.is_floating_point:
+        """Whether casting a label to the placeholder's dtype kept it: a class index must
+        come through exactly (2.5 is not class 2, nor 257 in bfloat16 class 256); a soft
+        multi-label target may only round."""
+        if self.kind == "multilabel" and cast.dtype.is_floating_point:
             return True
         return bool((cast.to(given.dtype) == given).all())
 

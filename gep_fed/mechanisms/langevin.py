@@ -224,6 +224,12 @@ def multi_pass_events(
     c = config
     q = min(1.0, c.batch / n)
     events = []
+    low = max(1, first_step - 1)  # step t's rates read eta_{t-1} too
+    if not 2.5 * low * low > n * c.delta:  # Theorem 2's log term must be positive
+        raise ConfigError(
+            f"Langevin's schedule needs n * delta < 2.5 t^2 from step {low}: n {n} with delta "
+            f"{c.delta:g} is outside it; a smaller delta or the true n"
+        )
     for t in range(first_step, first_step + steps):
         eta, lam = multi_pass_rates(t, n, c)
         shrink = lam * eta
