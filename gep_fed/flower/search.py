@@ -24,12 +24,10 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from gep_fed.federation.config import FederationConfig
-from gep_fed.federation.rundir import SITE_SCORE, SITES, RunDirectory
+from gep_fed.federation.rundir import SITES, RunDirectory
 from gep_fed.flower.clientapp import SimulatedTrial, make_client_app
-from gep_fed.flower.grid import FlowerGrid
 from gep_fed.flower.interrupt import (
     RunInterrupted,
-    StoppableGrid,
     StopRequest,
     stop_on_flower_exit,
 )
@@ -164,24 +162,17 @@ def _run_trial(
         scored=spec.score_sites,
         selection=spec.selection,
     )
-    try:
-        run = strategy.server.run
-        with run.lock():  # held (again) through the score and the outcome
-            if spec.sites is not None:  # before anything trains, as a simulation's
-                run.write_json(SITES, dict(spec.sites))
-            try:
-                strategy.start(StoppableGrid(grid, request))
-            except RunInterrupted:
-                strategy.record_outcome(RunInterrupted(strategy.server.completed_rounds).line())
-                resume = "rerun the same command"
-                completed = strategy.server.completed_rounds
-                raise SearchInterrupted(spec.number, completed, resume) from None
-            scored = run.file(SITE_SCORE).exists()  # a finished trial rerun: asked once already
-            if spec.score_sites and strategy.server.completed_rounds and not scored:
-                strategy.loop.score_sites(FlowerGrid(grid), fed.round_timeout)
-            strategy.record_outcome()
-    finally:
-        strategy.server.close()  # the trial's directory is free for the next process
+    run = strategy.server.run
+    if spec.sites is not None:  # before anything trains, under the lock the server holds
+        try:
+            run.write_json(SITES, dict(spec.sites))
+        except BaseException:
+            strategy.server.close()
+            raise
+    resume = "rerun the same command"
+    interrupted = strategy.run_to_outcome(grid, request, spec.score_sites, resume)
+    if interrupted is not None:
+        raise SearchInterrupted(spec.number, interrupted.completed_round, resume)
     return SimulationResult.of(run, strategy.stop_reason, began)
 
 

@@ -11,16 +11,13 @@ from flwr.serverapp import Grid, ServerApp
 
 from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.rundir import (
-    SITE_SCORE,
     RunDirectory,
     read_site_rounds,
     rounds_not_applied,
 )
 from gep_fed.federation.tuning import run_settings, split_run_config
-from gep_fed.flower.grid import FlowerGrid
 from gep_fed.flower.interrupt import (
     RunInterrupted,
-    StoppableGrid,
     StopRequest,
     stop_on_flower_exit,
 )
@@ -101,27 +98,14 @@ def make_server_app(
             on_round=_stopping(on_round, request),
             scored=score_sites,
         )
-        try:
-            line = resume_line(run, done, config.rounds)
-            if line:
-                print(line, flush=True)
-            interrupted = None
-            with strategy.server.run.lock():  # held (again) through the score and the outcome
-                try:
-                    strategy.start(StoppableGrid(grid, request))
-                except RunInterrupted:
-                    resume = "rerun the same command"
-                    if not config.run_name:
-                        resume += f" with run-name {run.path.name!r}"
-                    interrupted = RunInterrupted(strategy.server.completed_rounds, resume)
-                scored = run.file(SITE_SCORE).exists()  # a finished run rerun: asked once already
-                completed = strategy.server.completed_rounds
-                if score_sites and interrupted is None and completed and not scored:
-                    strategy.loop.score_sites(FlowerGrid(grid), config.round_timeout)
-                outcome = RunOutcome(strategy, interrupted)
-                strategy.record_outcome(interrupted.line() if interrupted else None)
-        finally:
-            strategy.server.close()  # the run directory is free for the next process
+        line = resume_line(run, done, config.rounds)
+        if line:
+            print(line, flush=True)
+        resume = "rerun the same command"
+        if not config.run_name:
+            resume += f" with run-name {run.path.name!r}"
+        interrupted = strategy.run_to_outcome(grid, request, score_sites, resume)
+        outcome = RunOutcome(strategy, interrupted)
         if on_done is not None:
             on_done(outcome)
             return

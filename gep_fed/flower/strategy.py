@@ -28,9 +28,10 @@ from gep_fed.federation.rounds import (
     open_server,
     recorded_by_the_loop,
 )
-from gep_fed.federation.rundir import OUTCOME
+from gep_fed.federation.rundir import OUTCOME, SITE_SCORE
 from gep_fed.federation.server import FederationServer
 from gep_fed.flower.grid import FlowerGrid, MeteredGrid, content_bytes, message, reply
+from gep_fed.flower.interrupt import RunInterrupted, StoppableGrid, StopRequest
 
 log = logging.getLogger("gep_fed.server")
 
@@ -185,6 +186,29 @@ class GEPStrategy(Strategy):
                 "completed_rounds": self.server.completed_rounds,
             },
         )
+
+    def run_to_outcome(
+        self, grid: Grid, request: StopRequest, score_sites: bool, resume: str
+    ) -> RunInterrupted | None:
+        """The run from its next round to its recorded outcome, holding its directory's lock
+        throughout and freeing it at the end: ``start`` (stopped by ``request``), then, if it
+        finished, the sites' score of its final model where asked and not asked before, then
+        ``record_outcome``. Returns what stopped it (``resume``: how to go on), else None."""
+        try:
+            run = self.server.run
+            with run.lock():  # held (again) through the score and the outcome
+                interrupted = None
+                try:
+                    self.start(StoppableGrid(grid, request))
+                except RunInterrupted:
+                    interrupted = RunInterrupted(self.server.completed_rounds, resume)
+                scored = run.file(SITE_SCORE).exists()  # a finished run rerun: asked once
+                if score_sites and not interrupted and self.server.completed_rounds and not scored:
+                    self.loop.score_sites(FlowerGrid(grid), self.cfg.round_timeout)
+                self.record_outcome(interrupted.line() if interrupted else None)
+                return interrupted
+        finally:
+            self.server.close()  # the run directory is free for the next process
 
     def summary(self) -> None:
         """Log the run's mode, mechanism, noise, sampling, budget and run directory."""
