@@ -19,6 +19,9 @@ recipe. Runs per set and seed (client mode, epsilon 8 in total, delta 1e-5):
     ref-<i>     candidate i alone at the whole budget: the non-private selection's material
                 (labelled OUTSIDE THE GUARANTEE: the choice among them is not accounted)
     tune        gep-fed tune over all candidates, one trial each, epsilon 8 in total
+    rehearsed   gep-fed tune --rehearse: every candidate rehearsed on two folds of the
+                server's validation data (no site's data), the chosen one alone run at the
+                sites at epsilon 8
 
 A run's figures are the test metrics of its best round on the server's validation data
 (the model the server keeps). The default for set S is the candidate with the best mean
@@ -209,17 +212,24 @@ def run_simulation(fed: FederationConfig) -> dict:
     return {**figures, "seconds": round(sim.seconds, 1), "failures": failures}
 
 
-def run_tune(set_name: str, seed: int, work: Path) -> dict:
-    from gep_fed.federation.tuning import TuneConfig
+def run_tune(set_name: str, seed: int, work: Path, rehearse: bool = False) -> dict:
+    from gep_fed.federation.tuning import Rehearsal, TuneConfig
     from gep_fed.flower.tuning import tune
 
     base = base_config(set_name, seed, str(work), **BASE)
     began = time.perf_counter()
     result = tune(
-        TuneConfig(base, [dict(c) for c in CANDIDATES], out_dir=str(work / "tune")),
+        TuneConfig(
+            base,
+            [dict(c) for c in CANDIDATES],
+            out_dir=str(work / "tune"),
+            rehearsal=Rehearsal() if rehearse else None,
+        ),
         simulate_options={"engine": "in-process"},
     )
+    rehearsal = result.rehearsal or {}
     return {
+        **({"rehearsal_scores": rehearsal["scores"]} if rehearse else {}),
         "chosen": None if result.chosen is None else result.chosen.candidate,
         "validation_score": None if result.chosen is None else result.chosen.validation_score,
         "test": dict(result.test_metrics),
@@ -244,8 +254,8 @@ def logged() -> dict[tuple, dict]:
 def run_one(set_name: str, seed: int, kind: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="dev-sets-") as tmp:
         work = Path(tmp)
-        if kind == "tune":
-            return run_tune(set_name, seed, work)
+        if kind in ("tune", "rehearsed"):
+            return run_tune(set_name, seed, work, rehearse=kind == "rehearsed")
         if kind == "recipe":
             return run_simulation(base_config(set_name, seed, str(work)))
         if kind == "recipe-ema":
@@ -254,7 +264,13 @@ def run_one(set_name: str, seed: int, kind: str) -> dict:
         return run_simulation(base_config(set_name, seed, str(work), **BASE, **CANDIDATES[index]))
 
 
-KINDS = (*(f"ref-{i}" for i in range(len(CANDIDATES))), "tune", "recipe", "recipe-ema")
+KINDS = (
+    *(f"ref-{i}" for i in range(len(CANDIDATES))),
+    "tune",
+    "recipe",
+    "recipe-ema",
+    "rehearsed",
+)
 DEFAULT_KINDS = KINDS[: len(CANDIDATES) + 1]
 
 
@@ -354,6 +370,7 @@ def table(rows: dict) -> str:
             ("recipe + model average", "recipe-ema"),
             (f"default chosen on the other sets (candidate {default})", f"ref-{default}"),
             ("tune, epsilon 8 in total", "tune"),
+            ("tune --rehearse, epsilon 8 in total", "rehearsed"),
         ]
         entries = [(label, [rows.get((set_name, s, kind)) for s in seeds]) for label, kind in kinds]
         entries.append(

@@ -542,3 +542,27 @@ def test_the_sites_data_is_checked_once_per_model_of_a_search(tmp_path, monkeypa
     specs = [TrialSpec(n, replace(fed, run_name=f"trial-{n}")) for n in (1, 2, 3)]
     simulate_search(specs, lambda spec, sim: True, engine="in-process")
     assert checked == [fed.model]
+
+
+@pytest.mark.slow  # four rehearsal runs and one trial, in process (~10 s)
+def test_flwr_run_of_a_rehearsed_search_rehearses_at_the_server_and_runs_one_trial(
+    tmp_path, capsys
+):
+    """Under ``flwr run`` (in process here), ``tune-rehearse`` rehearses both candidates in
+    the ServerApp's own process (no site takes part) and only the chosen one's rounds reach
+    the sites: each site's ledger holds one trial at the whole budget."""
+    from gep_fed.flower import make_client_app, make_flwr_server_app
+    from gep_fed.flower.in_process import run_in_process
+
+    runs = tmp_path / "runs"
+    record = {**search_run_config(candidates_file(tmp_path), runs), "tune-rehearse": 2}
+    run_in_process(make_flwr_server_app(), make_client_app(), 2, run_config=record)
+    printed = capsys.readouterr().out
+    assert "rehearsal on the server's validation data" in printed, printed
+    saved = json.loads((runs / "search" / "tune.json").read_text())
+    assert len(saved["rehearsal"]["runs"]) == 4 and len(saved["trials"]) == 1
+    assert saved["trials"][0]["candidate"] == saved["rehearsal"]["chosen"]
+    assert saved["trials"][0]["status"] == "finished" and saved["per_trial_epsilon"] == 4.0
+    for site in ("site-0", "site-1"):
+        ledger = PrivacyLedger.load_keyed(runs / "search" / "sites" / site / "ledger.json")
+        assert ledger.steps == 2 * 2 and 3.9 < ledger.epsilon() <= 4.0  # one trial's rounds

@@ -11,6 +11,7 @@ from gep_fed.federation.config import FederationConfig
 from gep_fed.federation.modes import MODE_NAMES
 from gep_fed.federation.tuning import (
     TRIAL_LAWS,
+    Rehearsal,
     TuneConfig,
     candidates_from_toml,
     search_base,
@@ -103,6 +104,17 @@ def add_tune_parser(sub) -> None:
         help="the noise placement of every trial (default: [base]'s, else client)",
     )
     p.add_argument(
+        "--rehearse",
+        type=int,
+        nargs="?",
+        const=2,
+        metavar="FOLDS",
+        help="choose before any site trains: rehearse every candidate on FOLDS folds (default "
+        "2) of the server's own validation data, with the noise its real run would have, and "
+        "run only the best at the whole budget (the sites' ledgers record one run). Not with "
+        "--trials, --random-trials or --site-validation",
+    )
+    p.add_argument(
         "--reference",
         action="store_true",
         help="also run every candidate once at the whole budget and report the best on "
@@ -183,6 +195,7 @@ def tune_config(args: argparse.Namespace) -> TuneConfig:
         reference=args.reference,
         out_dir=args.out or "",
         site_score=site_score(args),
+        rehearsal=None if args.rehearse is None else Rehearsal(args.rehearse),
     )
 
 

@@ -15,6 +15,7 @@ from gep_fed.data.builtin_tasks import (
     MedMnistTask,
     MnistTask,
 )
+from gep_fed.data.rehearsal import parse_rehearsal_name, rehearsal_task
 from gep_fed.data.task import Task
 
 BUILT_IN_TASKS: dict[str, type[Task]] = {
@@ -34,6 +35,10 @@ def resolve_task(name: str) -> type[Task]:
     deployed site resolves the task of its own node config, never the server's string)."""
     if name in BUILT_IN_TASKS:
         return BUILT_IN_TASKS[name]
+    rehearsal = parse_rehearsal_name(name)
+    if rehearsal is not None:  # a task rehearsed on its server's validation data
+        fold, folds, task = rehearsal
+        return rehearsal_task(resolve_task(task), fold, folds)
     module_name, sep, class_name = name.rpartition(":")
     if not sep or not module_name or not class_name:
         raise ValueError(

@@ -101,6 +101,12 @@ class Mode:
         """Whose release the server's ledger records."""
         return "federation"
 
+    def rehearsed_as(self) -> str:
+        """The mode a rehearsal of this mode's run on the server's own data runs in
+        (``gep_fed.federation.tuning.Rehearsal``): one that puts the same noise on the
+        model's update."""
+        return self.name
+
     def site_events(
         self, site: Site, rc: RoundConfig, subspace: AnchorSubspace | None
     ) -> list[PrivacyEvent]:
@@ -207,6 +213,10 @@ class DistributedMode(Mode):
 
     def server_events(self, contract, round_, local_steps, dimension):
         return contract.events(1, party="federation", round=round_, dimension=dimension)
+
+    def rehearsed_as(self) -> str:
+        # the shares add up to central mode's noise; the secure sum changes no update
+        return "central"
 
     def release(self, site, rc, subspace):
         return SiteRelease(share=site.distributed_share(subspace, rc))

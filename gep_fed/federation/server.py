@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -76,6 +76,17 @@ def validation_score(validation: Mapping[str, float]) -> float | None:
     """What the best model is chosen by: balanced accuracy, else accuracy (None: neither)."""
     score = validation.get("balanced_accuracy", validation.get("accuracy"))
     return float(score) if score is not None and math.isfinite(score) else None
+
+
+def best_validation(metrics: Sequence[Mapping]) -> tuple[float | None, int | None]:
+    """The best validation score of a run's metrics rows and its round (the first of equal
+    ones), as ``FederationServer.keep_if_best`` keeps its model; (None, None): none."""
+    best: tuple[float | None, int | None] = (None, None)
+    for row in metrics:
+        score = validation_score({k[4:]: v for k, v in row.items() if k.startswith("val_")})
+        if score is not None and (best[0] is None or score > best[0]):
+            best = (score, row["round"])
+    return best
 
 
 def _public_sample(

@@ -21,6 +21,12 @@ only the best trial's candidate, score and model. Papernot & Steinke's bound (dp
 each trial is bounded by one release repeated (the largest q, the smallest noise and the most
 steps of any candidate, checked to lie above every candidate's RDP curve), and ``e`` is
 calibrated so that this selection stays within the total.
+
+A rehearsal (``Rehearsal``) chooses before any site trains: every candidate runs on the
+server's own validation data, cut into folds (``gep_fed.data.rehearsal``), with the noise its
+real run would put on its update relative to the signal, and the best mean score picks the
+one trial that then runs at the whole budget. The choice depends on no site's data, so the
+sites' ledgers record that one run alone.
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ from gep_fed.accounting.selection import (
     TruncatedNegativeBinomial,
     default_rng,
 )
+from gep_fed.data.rehearsal import rehearsal_task_name
 from gep_fed.federation.config import LOCAL_SETTINGS, RUN_CONFIG_DEFAULT, FederationConfig
 from gep_fed.federation.site_score import SiteScore
-from gep_fed.validation import DELTA, TARGET_EPSILON, ConfigError
+from gep_fed.validation import DELTA, TARGET_EPSILON, ConfigError, Range
 
 # The composition of the planned trials lands this far below the total, at most.
 CALIBRATION_TOLERANCE = 1e-3
@@ -76,6 +83,87 @@ FIXED_SETTINGS = {
 }
 # Simulated sites' keys the tuning sets itself: refused in ``TuneConfig.site_settings``.
 _SITE_KEYS_OWNED = ("ledger-dir", "validation-fraction", "score-noise")
+
+
+# A rehearsal's own epsilon (TARGET_EPSILON's ceiling): it spends no one's budget, since it
+# trains on the server's validation data, but its simulated sites still check and record it.
+REHEARSAL_EPSILON = 1000.0
+REHEARSAL_FOLDS = Range(2, 20, integer=True)
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """Choose the candidate by rehearsing each on the server's validation data, which holds
+    no site's data: the choice costs the sites nothing, and the one run it picks has the
+    whole budget.
+
+    Each candidate runs as a simulated federation of the tuning's sites (its mode: the noise
+    on the model's update; distributed mode's shares as central noise), trained on all but
+    one fold of the server's validation data and scored (balanced accuracy, else accuracy, at
+    its best round) on the fold left out, once per fold; the best mean score wins (the first
+    declared among ties). The emulation keeps the real run's noise relative to its signal:
+    the same expected sample size where the folds hold it (``q' = q N / N'``, the same sigma),
+    else every fold example in every step with sigma scaled by ``N' / (q N)``; N is the sites'
+    declared total (``total_examples``) or the simulation's pooled size, N' the folds' size.
+
+    Attributes:
+        folds: how many folds the server's validation data is cut into (2 to 20); each
+            candidate runs once per fold.
+    """
+
+    folds: int = 2
+
+    def __post_init__(self) -> None:
+        REHEARSAL_FOLDS.check("rehearsal folds", self.folds)
+
+    def emulation(
+        self, fed: FederationConfig, fold: int, sites_examples: int, examples: int
+    ) -> FederationConfig:
+        """Candidate ``fed`` (its real run's settings) rehearsed on fold ``fold``, trained on
+        ``examples`` of the server's validation examples where the sites hold
+        ``sites_examples``: its task the rehearsal's, its sigma and q the emulation's.
+
+        Raises:
+            ConfigError: the rehearsal's own accounting would exceed ``REHEARSAL_EPSILON``
+                (too few validation examples for the real run's noise), or bad sizes.
+        """
+        for name, value in (("the sites' examples", sites_examples), ("examples", examples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"a rehearsal needs {name} >= 1, got {value!r}")
+        contract = fed.contract
+        batch = contract.sample_rate * sites_examples
+        sample_rate = min(1.0, batch / examples)
+        sigma = contract.noise_multiplier * sample_rate * examples / batch
+        rehearsed = replace(
+            fed,
+            task=rehearsal_task_name(fed.task, fold, self.folds),
+            mode=fed.noise_mode.rehearsed_as(),
+            noise_multiplier=sigma,
+            sample_rate=sample_rate,
+            target_epsilon=REHEARSAL_EPSILON,
+            total_examples=None,
+        )
+        spent = epsilon_rdp(run_events(rehearsed), rehearsed.delta)
+        if spent > REHEARSAL_EPSILON:
+            raise ConfigError(
+                f"the rehearsal of {examples} validation examples cannot carry the noise of "
+                f"a run on {sites_examples} (sigma {sigma:.3g} at q {sample_rate:.3g} over "
+                f"{rehearsed.steps_per_party} steps: its own accounting, epsilon "
+                f"{spent:.4g} > {REHEARSAL_EPSILON:g}): give the server more validation "
+                "data, or tune without --rehearse"
+            )
+        return rehearsed
+
+
+def run_events(fed: FederationConfig, dimension: int = 0) -> list[PrivacyEvent]:
+    """What a run of ``fed`` releases, round by round, as the server's ledger records it
+    (``dimension``: a distributed share's length)."""
+    contract = fed.contract  # raises ImpossibleTargetError if out of reach
+    return [
+        event
+        for r in range(1, fed.rounds + 1)
+        for event in fed.noise_mode.server_events(contract, r, fed.local_steps, dimension)
+    ]
 
 
 def _snake(key: object) -> str:
@@ -121,6 +209,9 @@ class TuneConfig:
             validation data; for a task whose server has none. With ``random_trials``,
             each trial's score is part of the run the selection repeats
             (``Selection.score_noise_multiplier``). None: the server's validation data.
+        rehearsal: choose before any site trains, by rehearsing every candidate on the
+            server's validation data (``Rehearsal``), then run the chosen one alone at the
+            whole budget: the sites' ledgers record one run. None: the trials choose.
     """
 
     base: FederationConfig
@@ -133,6 +224,7 @@ class TuneConfig:
     out_dir: str = ""
     site_settings: Mapping[str, object] = field(default_factory=dict)
     site_score: SiteScore | None = None
+    rehearsal: Rehearsal | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, FederationConfig):
@@ -160,6 +252,8 @@ class TuneConfig:
             )
         if not isinstance(self.reference, bool):
             raise ConfigError(f"reference must be true or false, got {self.reference!r}")
+        if self.rehearsal is not None:
+            self._check_rehearsal()
         from gep_fed.federation.policy import NODE_CONFIG_KEYS, SIMULATION_KEYS
 
         known = NODE_CONFIG_KEYS.keys() | SIMULATION_KEYS.keys()
@@ -202,6 +296,24 @@ class TuneConfig:
                 "or tune in central mode (a server the sites trust)"
             )
 
+    def _check_rehearsal(self) -> None:
+        if not isinstance(self.rehearsal, Rehearsal):
+            raise ConfigError(f"rehearsal must be a Rehearsal, got {self.rehearsal!r}")
+        given = [
+            name
+            for name, value in (
+                ("trials", self.trials),
+                ("random trials", self.random_trials),
+                ("site validation", self.site_score),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"a rehearsal chooses on the server's validation data and runs one trial, the "
+                f"chosen candidate's, at the whole budget: drop {' and '.join(given)}"
+            )
+
     @property
     def selection(self) -> Selection | None:
         """The random number of trials as the sites' ledgers record it (None: a fixed T);
@@ -227,6 +339,7 @@ class TuneConfig:
             "site_settings": dict(self.site_settings),
             # only when set: a tuning recorded before site scores resumes unchanged
             **({"site_score": self.site_score.to_dict()} if self.site_score else {}),
+            **({"rehearsal": {"folds": self.rehearsal.folds}} if self.rehearsal else {}),
         }
 
     def selection_record(self) -> dict[str, object] | None:
@@ -268,6 +381,8 @@ class TuneConfig:
 
     @property
     def num_trials(self) -> int:
+        if self.rehearsal is not None:  # the rehearsal's choice alone
+            return 1
         return len(self.candidates) if self.trials is None else self.trials
 
     def candidate_config(self, index: int, epsilon: float | None = None) -> FederationConfig:
@@ -299,6 +414,8 @@ class TuneConfig:
         in the declared order when ``trials`` equals their number, else each drawn uniformly
         by ``rng`` (None: the OS CSPRNG; tests pass a seeded ``random.Random``); with
         ``random_trials``, K is drawn first, by the same generator."""
+        if self.rehearsal is not None:
+            raise ConfigError("a rehearsed tuning's one trial is its rehearsal's choice")
         n = len(self.candidates)
         rng = rng if rng is not None else default_rng()
         if self.random_trials is not None:
@@ -344,14 +461,8 @@ class TrialPlanner:
         key = (index, epsilon)
         if key not in self._events:
             fed = self.config.candidate_config(index, epsilon)
-            contract = fed.contract  # raises ImpossibleTargetError if out of reach
-            dimension = self.dimension(index, fed)
-            events = [
-                event
-                for r in range(1, fed.rounds + 1)
-                for event in fed.noise_mode.server_events(contract, r, fed.local_steps, dimension)
-            ]
-            self._events[key] = (contract.noise_multiplier, events)
+            events = run_events(fed, self.dimension(index, fed))
+            self._events[key] = (fed.contract.noise_multiplier, events)
         return self._events[key]
 
     def composed(self, plan: Sequence[int], epsilon: float) -> float:
@@ -550,6 +661,7 @@ SEARCH_RUN_CONFIG = {
     "tune-reference": RUN_CONFIG_DEFAULT,  # --reference
     "tune-site-validation": RUN_CONFIG_DEFAULT,  # --site-validation
     "tune-score-noise": RUN_CONFIG_DEFAULT,  # --score-noise
+    "tune-rehearse": RUN_CONFIG_DEFAULT,  # --rehearse FOLDS
 }
 
 
@@ -659,7 +771,12 @@ def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> Tun
             _typed(search, "tune-score-noise", int | float, "a standard deviation"),
             ("run config tune-site-validation", "tune-score-noise"),
         ),
+        rehearsal=_rehearsal_of(_typed(search, "tune-rehearse", int, "a number of folds")),
     )
+
+
+def _rehearsal_of(folds: int | None) -> Rehearsal | None:
+    return None if folds is None else Rehearsal(folds)
 
 
 def run_settings(record: Mapping[str, object]) -> FederationConfig:

@@ -56,7 +56,7 @@ from gep_fed.federation.rundir import (
     round_spans,
     rounds_not_applied,
 )
-from gep_fed.federation.server import validation_score
+from gep_fed.federation.server import best_validation, validation_score
 from gep_fed.federation.tuning import (
     CALIBRATION_TOLERANCE,
     TrialPlanner,
@@ -69,6 +69,8 @@ from gep_fed.federation.wire import SelectionTerms
 from gep_fed.files import write_bytes_atomically
 from gep_fed.flower import search  # a module: tests replace its simulate_search
 from gep_fed.flower.interrupt import RunInterrupted
+from gep_fed.flower.rehearsal import FOLDER as REHEARSAL_FOLDER
+from gep_fed.flower.rehearsal import RehearsalInterrupted, rehearse
 from gep_fed.flower.search import TrialSpec
 from gep_fed.validation import ConfigError
 
@@ -130,6 +132,8 @@ class TuneResult:
             ``{"distribution", "mean", "shape", ...}``; None for a fixed T.
         complete: the tuning ran to its end (False while it runs, or once interrupted: the
             same settings and folder then resume it).
+        rehearsal: the rehearsal on the server's validation data that chose the one trial
+            (``gep_fed.flower.rehearsal.rehearse``'s record), or None.
         settings: the ``TuneConfig`` it ran (``TuneConfig.record``): a resume must match.
     """
 
@@ -149,6 +153,7 @@ class TuneResult:
     selection: Mapping[str, object] | None = None
     complete: bool = False
     settings: Mapping[str, object] = field(default_factory=dict)
+    rehearsal: Mapping[str, object] | None = None
 
     @property
     def epsilon_rdp(self) -> float:
@@ -196,17 +201,6 @@ def _trial_round(row: dict, first: int) -> dict:
     if "trial" in row or not isinstance(round_, int) or round_ < first:
         return row
     return {**row, "round": round_ - first + 1}
-
-
-def _best(metrics: Sequence[Mapping]) -> tuple[float | None, int | None]:
-    """The best validation score of a run and its round (the first of equal ones), as
-    ``FederationServer.keep_if_best`` keeps its model: balanced accuracy, else accuracy."""
-    best: tuple[float | None, int | None] = (None, None)
-    for row in metrics:
-        score = validation_score({k[4:]: v for k, v in row.items() if k.startswith("val_")})
-        if score is not None and (best[0] is None or score > best[0]):
-            best = (score, row["round"])
-    return best
 
 
 def _test_metrics(metrics: Sequence[Mapping], round_: int | None) -> dict[str, float]:
@@ -366,10 +360,11 @@ def tune(
         plan = tuple(c - 1 for c in saved["plan"])
         epsilon, planned = saved["per_trial_epsilon"], saved["planned_epsilon_rdp"]
         trials = [Trial(**t) for t in saved["trials"]]
-        stopped = saved["stopped"]
+        stopped, rehearsal = saved["stopped"], saved.get("rehearsal")
         say(f"tune: resuming {out} after {len(trials)} of its {len(plan)} trial(s)")
     else:
-        plan, epsilon, planned, stopped = _plan(config, rng, say)
+        rehearsal = _rehearsal(config, out, say, options) if config.rehearsal else None
+        plan, epsilon, planned, stopped = _plan(config, rng, say, rehearsal)
         trials = []
     # a random K: the sites record its selection themselves, from the round configs
     terms = None if config.random_trials is None else _selection_terms(out, planner, epsilon)
@@ -378,7 +373,11 @@ def tune(
     base = config.candidate_config(0)
     if config.site_score and base.noise_mode.server_steps and base.total_examples is None:
         trained = _trained_examples(base, site_settings, options)
-    _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
+    _write(
+        _result(
+            config, out, plan, epsilon, planned, trials, stopped, sites_dir, rehearsal=rehearsal
+        )
+    )
     # the plan is on disk before any trial: a resume runs the same one
     specs = []
     for n, index in enumerate(plan, 1):
@@ -407,7 +406,11 @@ def tune(
         trial = _judged(config, spec.number, index, epsilon, sigma, sim, rows)
         trials.append(trial)
         stopped = _announce(trial, len(plan), say)
-        _write(_result(config, out, plan, epsilon, planned, trials, stopped, sites_dir))
+        _write(
+            _result(
+                config, out, plan, epsilon, planned, trials, stopped, sites_dir, rehearsal=rehearsal
+            )
+        )
         before[0] = _site_rows(sites_dir)  # the next trial's rows are those after this one's
         return stopped is None
 
@@ -418,7 +421,9 @@ def tune(
         where = f"trial {_stopped_in(stop, specs, len(trials) - ended)} of {len(plan)}"
         raise TuneInterrupted(where, stop.completed_round, out) from None
     reference = _reference(config, out, say, options, run_trials) if config.reference else None
-    result = _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference)
+    result = _result(
+        config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference, rehearsal
+    )
     result = replace(result, complete=True)
     _write(result)
     return result
@@ -445,7 +450,7 @@ def _judged(
     for site, rs in rows.items():  # a score beyond the budget: after the rounds it allowed
         if any(r.get("stage") == "score" and r["outcome"] == "over budget" for r in rs):
             refused.setdefault(site, "over budget for its score")
-    score, best_round = _best(sim.metrics)
+    score, best_round = best_validation(sim.metrics)
     spread = None
     problems = [
         f"{site}: {r['outcome']}" + (f" ({r['cause']})" if r.get("cause") else "")
@@ -524,8 +529,9 @@ def _resumable(out: Path, config: TuneConfig) -> dict | None:
     """The unfinished tuning of these same settings that ``out`` holds (None: none there)."""
     path = out / TUNE_JSON
     if not path.exists():
-        # its own search id and its simulated sites' ledgers may precede its record
-        own = {SEARCH_ID, "sites"}
+        # its own search id, its simulated sites' ledgers and an interrupted rehearsal may
+        # precede its record
+        own = {SEARCH_ID, "sites", REHEARSAL_FOLDER}
         others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
         if others:  # another run's folder: its ledgers would count as this tuning's spending
             raise ConfigError(
@@ -578,9 +584,37 @@ def _selection_terms(out: Path, planner: TrialPlanner, epsilon: float) -> Select
     return SelectionTerms(path.read_text().strip(), 1, planner.selection_event(epsilon))
 
 
-def _plan(config: TuneConfig, rng: random.Random | None, say) -> tuple:
+def _rehearsal(config: TuneConfig, out: Path, say, options: Mapping[str, object]) -> dict:
+    """The rehearsal's record (``rehearse``), the sites' total size the one its noise is
+    emulated for: declared (``total_examples``), else the simulated sites' own."""
+    base = config.candidate_config(0)
+    sites_examples = base.total_examples
+    if sites_examples is None:
+        try:
+            sites_examples = _trained_examples(base, _site_settings(config, out / "sites"), options)
+        except NotImplementedError:  # a deployment: the sites' data is theirs alone
+            raise ConfigError(
+                "a rehearsal emulates the noise of a run on the sites' examples: declare "
+                "their total (total-examples), which the server cannot count"
+            ) from None
+    try:
+        return rehearse(config, out, sites_examples, say, bool(options.get("progress")))
+    except RehearsalInterrupted as stop:
+        raise TuneInterrupted(stop.where, stop.completed_round, out) from None
+
+
+def _plan(config: TuneConfig, rng: random.Random | None, say, rehearsal=None) -> tuple:
     """A fresh tuning's (plan, per-trial epsilon, planned epsilon, why it stopped at once):
-    the trials drawn and their common budget calibrated."""
+    the trials drawn (or the rehearsal's choice) and their common budget calibrated."""
+    if rehearsal is not None:
+        plan = (rehearsal["chosen"] - 1,)
+        epsilon, planned = calibrate_plan(TrialPlanner(config), plan, CALIBRATION_TOLERANCE)
+        say(
+            f"tune: 1 trial, candidate {plan[0] + 1} (the rehearsal's choice), at epsilon "
+            f"{epsilon:.4f} <= {config.total_epsilon:g} (RDP, delta={config.total_delta:g}) at "
+            "every site"
+        )
+        return plan, epsilon, planned, None
     plan = config.plan(rng)
     if config.random_trials is None:
         epsilon, planned = calibrate_plan(TrialPlanner(config), plan, CALIBRATION_TOLERANCE)
@@ -604,7 +638,9 @@ def _plan(config: TuneConfig, rng: random.Random | None, say) -> tuple:
     return plan, epsilon, planned, None
 
 
-def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference=None):
+def _result(
+    config, out, plan, epsilon, planned, trials, stopped, sites_dir, reference=None, rehearsal=None
+):
     finished = [t for t in trials if t.status == "finished"]
     chosen = max(finished, key=lambda t: t.validation_score, default=None)  # first of ties
     model, test = None, {}
@@ -631,6 +667,7 @@ def _result(config, out, plan, epsilon, planned, trials, stopped, sites_dir, ref
         reference,
         config.selection_record(),
         settings=config.record(),
+        rehearsal=rehearsal,
     )
 
 
@@ -658,7 +695,7 @@ def _reference(config: TuneConfig, out: Path, say, options, run_trials: RunTrial
     runs = []
 
     def on_trial(spec: TrialSpec, sim: SimulationResult) -> bool:
-        score, best_round = _best(sim.metrics)
+        score, best_round = best_validation(sim.metrics)
         ok = not (sim.stop_reason or rounds_not_applied(sim.metrics))
         if spec.score_sites:
             score = _site_score_of(Path(sim.run_dir), config.site_score.noise_std)[0]
@@ -753,6 +790,7 @@ def result_dict(result: TuneResult) -> dict:
         "sites": {k: dict(v) for k, v in result.site_epsilons.items()},
         "stopped": result.stopped,
         "reference": None if result.reference is None else dict(result.reference),
+        "rehearsal": None if result.rehearsal is None else dict(result.rehearsal),
     }
 
 
@@ -779,6 +817,12 @@ _COVERS_SELECTION = (
 def result_lines(result: TuneResult) -> list[str]:
     """A finished tuning in a few lines, as ``gep-fed tune`` and ``flwr run`` print it."""
     lines = [f"stopped early: {result.stopped}"] if result.stopped else []
+    if result.rehearsal is not None:
+        scores = ", ".join(f"{i} {_fmt(s)}" for i, s in enumerate(result.rehearsal["scores"], 1))
+        lines.append(
+            f"rehearsal on {result.rehearsal['label']}: mean score by candidate {scores}; "
+            f"chosen {result.rehearsal['chosen']}"
+        )
     if result.chosen is not None:
         c = result.chosen
         test = ", ".join(f"{k} {v:.4g}" for k, v in result.test_metrics.items())
@@ -921,6 +965,7 @@ def render_markdown(result: TuneResult) -> str:
             f"its length ({len(result.plan)} trial(s) drawn) are not covered.",
             "",
         ]
+    lines += _rehearsal_lines(result)
     lines += [
         _score_source(result.settings.get("site_score")),
         "",
@@ -1032,6 +1077,36 @@ def render_markdown(result: TuneResult) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _rehearsal_lines(result: TuneResult) -> list[str]:
+    """``tune.md``'s account of the rehearsal that chose the one trial (none without one)."""
+    record = result.rehearsal
+    if record is None:
+        return []
+    candidates = result.settings.get("candidates") or []
+    lines = [
+        f"## Rehearsal on {record['label']}",
+        "",
+        f"Before any site trained, every candidate ran on {record['folds']} folds of the "
+        f"server's validation data ({', '.join(map(str, record['examples']))} training "
+        f"examples per fold), with the noise its real run on the sites' "
+        f"{record['sites_examples']} examples would put on its update relative to the signal, "
+        "scored on the fold left out. The best mean score chose the one trial below: the "
+        "choice depends on no site's data, so it costs the sites nothing.",
+        "",
+        "| candidate | settings | fold scores | mean score |",
+        "|---|---|---|---|",
+    ]
+    for index, mean in enumerate(record["scores"], 1):
+        folds = [r for r in record["runs"] if r["candidate"] == index]
+        scores = ", ".join(
+            _fmt(r["score"]) if r["problem"] is None else f"failed ({r['problem']})" for r in folds
+        )
+        settings = _settings_text(candidates[index - 1]) if index <= len(candidates) else ""
+        mark = " (chosen)" if index == record["chosen"] else ""
+        lines.append(f"| {index}{mark} | {settings} | {scores} | {_fmt(mean)} |")
+    return [*lines, ""]
 
 
 def _write(result: TuneResult) -> None:

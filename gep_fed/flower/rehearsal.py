@@ -1,0 +1,151 @@
+"""A tuning's rehearsal: every candidate run on the server's validation data, fold by fold,
+before any site trains (``gep_fed.federation.tuning.Rehearsal``).
+
+The rehearsal's runs are one Flower simulation in this process (the server's own: under
+``flwr run`` too, the real sites take no part), their simulated sites' ledgers in the
+tuning's ``rehearsal/`` folder, apart from the real sites'. What it returns is the record
+``tune.json`` keeps: each run's score and the choice, which depends on no site's data.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from gep_fed.data.rehearsal import rehearsal_task_name
+from gep_fed.federation.rundir import rounds_not_applied
+from gep_fed.federation.server import best_validation
+from gep_fed.federation.tuning import REHEARSAL_EPSILON, TuneConfig
+from gep_fed.flower import search  # a module: tests replace its simulate_search
+from gep_fed.flower.interrupt import RunInterrupted
+from gep_fed.flower.search import TrialSpec
+from gep_fed.validation import ConfigError
+
+FOLDER = "rehearsal"
+LABEL = "the server's validation data: no site's data, no site's budget"
+
+
+class RehearsalInterrupted(RunInterrupted):
+    """A stop request ended the rehearsal in one of its runs (``where``)."""
+
+    def __init__(self, where: str, completed_round: int) -> None:
+        self.where = where
+        super().__init__(completed_round)
+
+
+def rehearse(
+    config: TuneConfig,
+    out: Path,
+    sites_examples: int,
+    say: Callable[[str], None],
+    progress: bool = False,
+) -> dict:
+    """Run every candidate of ``config`` on each fold of the server's validation data (its
+    ``Rehearsal``) where the sites hold ``sites_examples``, and choose the best mean score.
+
+    Returns:
+        ``{"label", "folds", "sites_examples", "examples", "runs", "scores", "chosen"}``:
+        each run's score, each candidate's mean (None where a fold failed) and the chosen
+        candidate (1-based).
+
+    Raises:
+        ConfigError: a rehearsal cannot carry a candidate's noise, or no candidate scored.
+        RehearsalInterrupted: a stop request (Ctrl-C) ended it.
+    """
+    rehearsal = config.rehearsal
+    folder = out / FOLDER
+    if folder.exists():  # an interrupted rehearsal's runs: the server's own, run again whole
+        shutil.rmtree(folder)
+    first = config.candidate_config(0)
+    examples = {
+        fold: len(
+            replace(first, task=rehearsal_task_name(first.task, fold, rehearsal.folds))
+            .make_task()
+            .train_dataset()
+        )
+        for fold in range(rehearsal.folds)
+    }
+    specs, where = [], {}
+    for index in range(len(config.candidates)):
+        real = config.candidate_config(index)
+        for fold in range(rehearsal.folds):
+            fed = replace(
+                rehearsal.emulation(real, fold, sites_examples, examples[fold]),
+                run_dir=str(folder),
+                run_name=f"candidate-{index + 1:03d}-fold-{fold + 1}",
+            )
+            number = len(specs) + 1
+            where[number] = (index + 1, fold + 1)
+            sites = {"epsilon-budget": REHEARSAL_EPSILON, "delta": fed.delta}
+            specs.append(TrialSpec(number, fed, sites))
+    say(
+        f"tune: rehearsing {len(config.candidates)} candidate(s) on {rehearsal.folds} folds of "
+        f"the server's validation data ({LABEL}), each as a federation of the sites' "
+        f"{sites_examples} examples would run"
+    )
+    runs: list[dict] = []
+
+    def on_run(spec: TrialSpec, sim) -> bool:
+        candidate, fold = where[spec.number]
+        score, best_round = best_validation(sim.metrics)
+        problem = sim.stop_reason or rounds_not_applied(sim.metrics) or None
+        if problem is None and score is None:
+            problem = "no validation score"
+        runs.append(
+            {
+                "candidate": candidate,
+                "fold": fold,
+                "score": None if problem else score,
+                "best_round": best_round,
+                "sample_rate": spec.fed.sample_rate,
+                "noise_multiplier": spec.fed.noise_multiplier,
+                "mode": spec.fed.mode,
+                "run_dir": str(sim.run_dir),
+                "problem": problem,
+            }
+        )
+        said = f"failed: {problem}" if problem else f"score {score:.4f} (round {best_round})"
+        say(f"rehearsal: candidate {candidate}, fold {fold}/{rehearsal.folds}: {said}")
+        return True
+
+    try:
+        search.simulate_search(specs, on_run, progress=progress, engine="in-process")
+    except RunInterrupted as stop:
+        number = getattr(stop, "trial", None) or specs[min(len(runs), len(specs) - 1)].number
+        candidate, fold = where[number]
+        raise RehearsalInterrupted(
+            f"the rehearsal of candidate {candidate} on fold {fold}", stop.completed_round
+        ) from None
+    scores = []
+    for index in range(len(config.candidates)):
+        mine = [r["score"] for r in runs if r["candidate"] == index + 1]
+        complete = len(mine) == rehearsal.folds and None not in mine
+        scores.append(statistics.fmean(mine) if complete else None)
+    scored = [(s, i) for i, s in enumerate(scores) if s is not None]
+    if not scored:
+        problems = "; ".join(
+            f"candidate {r['candidate']} fold {r['fold']}: {r['problem']}"
+            for r in runs
+            if r["problem"]
+        )
+        raise ConfigError(
+            f"the rehearsal scored no candidate ({problems or 'no run ended'}): nothing was "
+            "chosen, and no site trained"
+        )
+    chosen = max(scored, key=lambda pair: (pair[0], -pair[1]))[1]  # the first of ties
+    say(
+        f"tune: the rehearsal chooses candidate {chosen + 1} (mean score "
+        f"{scores[chosen]:.4f}); it alone runs at the sites, at the whole budget"
+    )
+    return {
+        "label": LABEL,
+        "folds": rehearsal.folds,
+        "sites_examples": sites_examples,
+        "examples": [examples[f] for f in range(rehearsal.folds)],
+        "runs": runs,
+        "scores": scores,
+        "chosen": chosen + 1,
+    }
