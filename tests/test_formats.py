@@ -185,6 +185,40 @@ def test_image_folder_decodes_only_the_requested_files(tmp_path, monkeypatch):
     assert opened == [native.files[5], native.files[0], native.files[8]]
 
 
+def test_an_image_above_the_pixel_cap_is_one_bad_example_named_before_its_pixels_decode(
+    tmp_path, monkeypatch
+):
+    """A scan of more pixels than ``MAX_IMAGE_PIXELS`` (its header's size) is refused before
+    it is decoded, by ``check()`` and on read; the images beside it read as before."""
+    import gep_fed.data.formats as formats
+
+    write_pngs(tmp_path, {"a": [np.zeros((8, 8), np.uint8), np.zeros((16, 16), np.uint8)]})
+    monkeypatch.setattr(formats, "MAX_IMAGE_PIXELS", 100)
+    decoded = []
+    original = formats._pil_array
+    monkeypatch.setattr(formats, "_pil_array", lambda image: decoded.append(1) or original(image))
+    ds = ImageFolderDataset(tmp_path, ImageTransform(size=(8, 8), channels=1))
+    assert ds[0][0].shape == (1, 8, 8) and decoded == [1]
+    with pytest.raises(DataError, match=r"16x16 \(HxW\), 256 pixels, more than the 100"):
+        ds[1]
+    assert decoded == [1]  # the large one's pixels were never decoded
+    with pytest.raises(DataError, match="downsample it before it joins the data folder"):
+        ds.check()
+
+
+def test_a_dicom_image_above_the_pixel_cap_is_refused_from_its_header(tmp_path, monkeypatch):
+    pydicom_or_skip()
+    import gep_fed.data.formats as formats
+
+    write_dicom(tmp_path / "a" / "0.dcm", np.zeros((4, 4)))
+    write_dicom(tmp_path / "a" / "1.dcm", np.zeros((12, 12)))
+    monkeypatch.setattr(formats, "MAX_IMAGE_PIXELS", 100)
+    ds = DicomFolderDataset(tmp_path, ImageTransform(size=(4, 4), channels=1))
+    assert ds[0][0].shape == (1, 4, 4)
+    with pytest.raises(DataError, match=r"12x12 \(HxW\), 144 pixels"):
+        ds[1]
+
+
 def test_a_site_may_lack_a_declared_class_but_not_every_image(tmp_path):
     """Issue 24: a hospital with no cases of a rare class takes part; the declared numbering
     is kept (its peers agree on the labels), and the missing classes are named."""

@@ -512,6 +512,23 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
 # Files tried, in order, for the shape a folder's images must match: the first readable.
 SHAPE_REFERENCE_SEARCH = 100
 
+# The most pixels (height x width) a folder image may have, read from its header before any
+# decoding: an image is converted to float32 at full resolution before it is resized, so a
+# 9000 x 9000 scan would cost about 1 GiB, and a round sampling it could fail of memory after
+# its ledger's record (a failure that tells which files the sample drew). Above it, an image
+# is one bad example, named. 40 million: a 6,000 x 6,000 scan (a mammogram is about 14).
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+def _check_pixels(path: Path, height: int, width: int) -> None:
+    if height * width > MAX_IMAGE_PIXELS:
+        raise DataError(
+            f"{path} is {height}x{width} (HxW), {height * width:,} pixels, more than the "
+            f"{MAX_IMAGE_PIXELS:,} an image may have (gep_fed.data.formats.MAX_IMAGE_PIXELS): "
+            "downsample it before it joins the data folder"
+        )
+
+
 # Image files a class folder may hold that a folder task of other formats would not read.
 IMAGE_SUFFIXES = (
     *(".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".tif", ".tiff", ".bmp", ".gif", ".webp"),
@@ -729,11 +746,13 @@ class ImageFolderDataset(_FolderDataset):
                 image.verify()  # checks the file's structure (PNG chunk CRCs) without decoding
         except _PIL_ERRORS as err:
             raise DataError(f"{path}: not a readable image ({err})") from err
+        _check_pixels(path, shape[0], shape[1])
         return shape
 
     def _decode(self, path: Path) -> np.ndarray:
         try:
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # the header only, until the pixels are asked for
+                _check_pixels(path, image.height, image.width)
                 return _pil_array(image)
         except _PIL_ERRORS as err:
             raise DataError(f"{path}: cannot decode image ({err})") from err
@@ -803,8 +822,10 @@ class DicomFolderDataset(_FolderDataset):
         errors = (pydicom.errors.InvalidDicomError, OSError, EOFError, AttributeError, KeyError)
         errors += (ValueError, TypeError, RuntimeError, NotImplementedError)
         try:
-            ds = pydicom.dcmread(path, stop_before_pixels=not pixels)
+            # large elements (the pixel data) are read only when asked for, after the check
+            ds = pydicom.dcmread(path, stop_before_pixels=not pixels, defer_size="1 MB")
             shape = (int(ds.Rows), int(ds.Columns), int(ds.get("SamplesPerPixel", 1)))
+            _check_pixels(path, shape[0], shape[1])
             return ds, shape, ds.pixel_array if pixels else None
         except errors as err:
             what = "pixel data" if pixels else "header"
