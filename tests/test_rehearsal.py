@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tune_task import SMALL_TRIAL, TUNE_TASK
 
 from gep_fed.accounting.ledger import PrivacyLedger
+from gep_fed.accounting.selection import TruncatedNegativeBinomial
 from gep_fed.data.registry import resolve_task
 from gep_fed.data.rehearsal import parse_rehearsal_name, rehearsal_task_name
 from gep_fed.data.task import TaskSettings, dataset_targets
 from gep_fed.federation.config import FederationConfig
+from gep_fed.federation.site_score import SiteScore
 from gep_fed.federation.tuning import (
     REHEARSAL_EPSILON,
     Rehearsal,
@@ -70,20 +73,17 @@ def test_a_rehearsal_reads_no_site_data(monkeypatch):
     assert len(task.train_dataset()) + len(task.validation_dataset()) == 180
 
 
-@pytest.mark.parametrize(
-    "name, message",
-    [
-        ("rehearsal:2/2:digits", "fold must be one of"),
-        ("rehearsal:0/1:digits", "fold must be one of"),
-        ("rehearsal:a/2:digits", "is named 'rehearsal:<fold>/<folds>:<task>'"),
-        ("rehearsal:0/2", "is named 'rehearsal:<fold>/<folds>:<task>'"),
-    ],
-)
-def test_a_malformed_rehearsal_name_is_named(name, message):
-    with pytest.raises(ValueError, match=message):
+@pytest.mark.parametrize("name", ["rehearsal:2/2:digits", "rehearsal:0/1:digits"])
+def test_a_rehearsal_name_of_a_fold_out_of_range_is_named(name):
+    with pytest.raises(ValueError, match=r"fold must be one of 0\.\.folds-1"):
         parse_rehearsal_name(name)
-    assert parse_rehearsal_name("digits") is None
+
+
+def test_only_a_rehearsals_own_names_are_read_as_one():
     assert parse_rehearsal_name(rehearsal_task_name("a/b.py:T", 1, 4)) == (1, 4, "a/b.py:T")
+    # a user's module named rehearsal resolves as any module does
+    for name in ("digits", "rehearsal:MyTask", "rehearsal:a/2:digits", "rehearsal:0/2"):
+        assert parse_rehearsal_name(name) is None
 
 
 @pytest.mark.parametrize("mode", ["client", "central", "distributed"])
@@ -107,34 +107,42 @@ def test_the_emulation_keeps_the_noise_on_the_update_relative_to_its_signal(
     assert rehearsed.target_epsilon == REHEARSAL_EPSILON and rehearsed.total_examples is None
 
 
+def test_a_distributed_rehearsal_carries_the_noise_of_every_sites_share():
+    """K sites each add 1/t of the variance: K/t times central's on the sum."""
+    real = base(mode="distributed", num_sites=4, noise_shares=1, sample_rate=0.25, rounds=3)
+    rehearsed = Rehearsal(2).emulation(real, 0, 1000, 250)
+    assert rehearsed.mode == "central" and rehearsed.sample_rate == 1.0
+    assert rehearsed.noise_multiplier == pytest.approx(2 * real.contract.noise_multiplier)
+
+
 def test_a_rehearsal_that_cannot_carry_the_real_noise_is_refused_with_what_to_change():
     real = base(sample_rate=1.0, rounds=40)
     with pytest.raises(ConfigError, match="give the server more validation data"):
         Rehearsal(2).emulation(real, 0, 1_000_000, 90)
 
 
+def test_a_rehearsal_of_one_fold_is_refused():
+    with pytest.raises(ConfigError, match=r"rehearsal folds must be an integer in \[2, 20\]"):
+        Rehearsal(1)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"trials": 2}, "drop trials"),
-        ({"site_score": "score"}, "drop site validation"),
-        ({"rehearsal": "one fold"}, "rehearsal folds must be"),
+        ({"trials": 2}, r"drop trials \(--trials, tune-trials\)"),
+        ({"site_score": SiteScore(0.2, 2.0)}, "drop site validation"),
+        (
+            {"random_trials": TruncatedNegativeBinomial.from_mean(1.0, 2.0), "mode": "central"},
+            r"drop random trials \(--random-trials",
+        ),
         ({"rehearsal": 2}, "rehearsal must be a Rehearsal"),
     ],
 )
 def test_a_rehearsal_with_settings_it_would_ignore_is_refused(settings, message):
-    from gep_fed.federation.site_score import SiteScore
-
-    if settings.get("site_score") == "score":
-        settings = {"site_score": SiteScore(0.2, 2.0)}
-    if settings.get("rehearsal") == "one fold":  # built here: the dataclass refuses it
-        with pytest.raises(ConfigError, match=message):
-            Rehearsal(1)
-        return
-    if "rehearsal" not in settings:
-        settings = {**settings, "rehearsal": Rehearsal()}
+    settings = {"rehearsal": Rehearsal(), **settings}
+    mode = settings.pop("mode", "client")
     with pytest.raises(ConfigError, match=message):
-        TuneConfig(base(), CANDIDATES, **settings)
+        TuneConfig(base(mode=mode), CANDIDATES, **settings)
 
 
 def test_the_command_line_and_a_run_config_ask_for_the_same_rehearsal(tmp_path):
@@ -154,17 +162,26 @@ def test_the_command_line_and_a_run_config_ask_for_the_same_rehearsal(tmp_path):
         record = {"tune-candidates": str(file), **({"tune-rehearse": folds} if folds else {})}
         flwr = search_of_run_config(record, 1)
         assert (flwr.rehearsal and flwr.rehearsal.folds) == folds
-    with pytest.raises(ConfigError, match="tune-rehearse must be a number of folds"):
+    record = {"tune-candidates": str(file), "tune-rehearse": True}  # a bare --rehearse
+    assert search_of_run_config(record, 1).rehearsal == Rehearsal(2)
+    with pytest.raises(ConfigError, match="tune-rehearse must be true or a number of folds"):
         search_of_run_config({"tune-candidates": str(file), "tune-rehearse": "two"}, 1)
 
 
-@pytest.mark.slow  # four rehearsal runs and one trial, in process (~10 s)
-def test_a_rehearsed_tuning_chooses_on_the_servers_data_and_the_sites_record_one_run(tmp_path):
+@pytest.mark.slow  # four rehearsal runs and one trial, in process (~12 s)
+def test_a_rehearsed_tuning_chooses_on_the_servers_data_and_the_sites_record_one_run(
+    tmp_path, monkeypatch
+):
     """Real simulations: both candidates rehearsed on two folds of the server's validation
     data, the better mean chosen (a step of 0.01 barely moves the model), and only its run
-    at the sites: each site's ledger holds one trial's steps at the whole budget."""
+    at the sites: each site's ledger holds one trial's steps at the whole budget. A rehearsal
+    stopped by Ctrl-C runs again whole (its folder kept); a tuning stopped in its trial
+    resumes there without rehearsing again."""
+    from gep_fed.flower import search
+    from gep_fed.flower.interrupt import RunInterrupted
+    from gep_fed.flower.tuning import TuneInterrupted
+
     out = tmp_path / "tune"
-    (out / "rehearsal" / "left-by-a-stopped-rehearsal").mkdir(parents=True)
     config = TuneConfig(
         base(rounds=3, total_examples=400, sample_rate=0.5, noise_seed=5),
         CANDIDATES,
@@ -172,8 +189,32 @@ def test_a_rehearsed_tuning_chooses_on_the_servers_data_and_the_sites_record_one
         out_dir=str(out),
         rehearsal=Rehearsal(2),
     )
+    options = {"engine": "in-process"}
+
+    def stopped_rehearsal(specs, on_trial, **kwargs):
+        folder = Path(specs[0].fed.run_dir)
+        folder.mkdir(parents=True)
+        (folder / "its-runs").write_text("kept")
+        raise search.SearchInterrupted(2, 1, "rerun")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(search, "simulate_search", stopped_rehearsal)
+        with pytest.raises(TuneInterrupted, match="to rehearse again") as stop:
+            tune(config, simulate_options=options)
+    assert "in the rehearsal of candidate 1 on fold 2" in stop.value.line()
+
+    def stopped_trial(specs, on_trial):
+        raise RunInterrupted(1)
+
     lines = []
-    result = tune(config, simulate_options={"engine": "in-process"}, log=lines.append)
+    with pytest.raises(TuneInterrupted, match=r"in trial 1 of 1 .* to resume"):
+        tune(config, simulate_options=options, log=lines.append, run_trials=stopped_trial)
+    assert any("an earlier rehearsal stopped unfinished" in line for line in lines)
+    assert (out / "rehearsal" / "attempt-1" / "its-runs").read_text() == "kept"
+    lines.clear()
+    result = tune(config, simulate_options=options, log=lines.append)
+    assert not any("rehearsing" in line for line in lines)  # the recorded choice, resumed
+    assert sorted(p.name for p in (out / "rehearsal").iterdir()) == ["attempt-1", "attempt-2"]
     record = result.rehearsal
     assert [(r["candidate"], r["fold"]) for r in record["runs"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(r["problem"] is None for r in record["runs"])
@@ -181,7 +222,6 @@ def test_a_rehearsed_tuning_chooses_on_the_servers_data_and_the_sites_record_one
     assert record["scores"] == pytest.approx(means)
     assert record["chosen"] == 2 and means[1] > means[0] + 0.1
     assert record["examples"] == [90, 90] and record["sites_examples"] == 400
-    assert not (out / "rehearsal" / "left-by-a-stopped-rehearsal").exists()
     # the rehearsal's runs trained on 90 examples with the real run's noise per signal
     real = config.candidate_config(1).contract
     for run in record["runs"]:
@@ -199,7 +239,6 @@ def test_a_rehearsed_tuning_chooses_on_the_servers_data_and_the_sites_record_one
     assert saved["rehearsal"]["chosen"] == 2 and saved["settings"]["rehearsal"] == {"folds": 2}
     text = (out / "tune.md").read_text()
     assert "## Rehearsal on the server's validation data" in text and "| 2 (chosen) |" in text
-    assert any("the rehearsal chooses candidate 2" in line for line in lines)
 
 
 def test_a_rehearsal_that_scores_no_candidate_fails_before_any_site_trains(tmp_path, monkeypatch):
@@ -216,14 +255,45 @@ def test_a_rehearsal_that_scores_no_candidate_fails_before_any_site_trains(tmp_p
         rehearse(config, tmp_path, 400, lambda line: None)
 
 
-def test_a_deployment_must_declare_the_sites_total_for_a_rehearsal(tmp_path, monkeypatch):
-    cls = resolve_task(TUNE_TASK)
-
-    def deployed(self):
-        raise NotImplementedError("no pooled data")
-
-    monkeypatch.setattr(cls, "train_dataset", deployed)
+def test_under_flwr_run_a_rehearsal_needs_the_sites_declared_total(tmp_path):
     config = TuneConfig(base(), CANDIDATES, out_dir=str(tmp_path / "t"), rehearsal=Rehearsal())
-    with pytest.raises(ConfigError, match="declare their total \\(total-examples\\)"):
-        tune(config, simulate_options={"engine": "in-process"})
-    assert not (tmp_path / "t" / "sites").exists()  # no site was formed
+
+    def grid_trials(specs, on_trial):
+        raise AssertionError("no trial may run")
+
+    with pytest.raises(ConfigError, match=r"declare their total in the run config"):
+        tune(config, run_trials=grid_trials)
+    assert not (tmp_path / "t" / "rehearsal").exists()  # refused before anything ran
+
+
+def test_a_rehearsal_runs_as_many_sites_as_the_simulations_own_data_names(tmp_path, monkeypatch):
+    """``--site-data`` sets the trials' number of sites; the rehearsal's runs have as many
+    (in client mode each site's noise adds up: fewer would understate it)."""
+    from gep_fed.flower import search
+    from gep_fed.flower import tuning as flower_tuning
+    from gep_fed.flower.simulation import SimulationResult
+
+    seen = []
+
+    def scored(specs, on_trial, **options):
+        for spec in specs:
+            seen.append(spec.fed)
+            row = {"round": 1, "applied": True, "val_balanced_accuracy": 0.5 + 0.1 * len(seen)}
+            on_trial(spec, SimulationResult(tmp_path, [row], None, 0.0))
+
+    monkeypatch.setattr(search, "simulate_search", scored)
+    config = TuneConfig(base(total_examples=400), CANDIDATES, rehearsal=Rehearsal())
+    record = rehearse(config, tmp_path, 400, lambda line: None, num_sites=4)
+    assert [f.num_sites for f in seen] == [4] * 4 and record["sites"] == 4
+    assert record["chosen"] == 2  # the later runs scored higher here
+    asked = {}
+
+    def capture(config, out, sites_examples, say, **kwargs):
+        asked.update(kwargs)
+        raise ConfigError("captured")
+
+    monkeypatch.setattr(flower_tuning, "rehearse", capture)
+    site_data = {f"h{i}": str(tmp_path / f"h{i}") for i in range(5)}
+    with pytest.raises(ConfigError, match="captured"):
+        tune(config, simulate_options={"site_data": site_data, "engine": "in-process"})
+    assert asked["num_sites"] == 5

@@ -555,7 +555,9 @@ def test_flwr_run_of_a_rehearsed_search_rehearses_at_the_server_and_runs_one_tri
     from gep_fed.flower.in_process import run_in_process
 
     runs = tmp_path / "runs"
-    record = {**search_run_config(candidates_file(tmp_path), runs), "tune-rehearse": 2}
+    record = search_run_config(candidates_file(tmp_path), runs)
+    # the server cannot count the sites' examples: the run config declares them
+    record = {**record, "tune-rehearse": 2, "total-examples": 1000}
     run_in_process(make_flwr_server_app(), make_client_app(), 2, run_config=record)
     printed = capsys.readouterr().out
     assert "rehearsal on the server's validation data" in printed, printed

@@ -14,6 +14,7 @@ resolves the name to the class ``rehearsal_task`` builds (the same in every proc
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 from torch.utils.data import Dataset, Subset
@@ -21,6 +22,8 @@ from torch.utils.data import Dataset, Subset
 from gep_fed.data.task import Task, dataset_targets
 
 PREFIX = "rehearsal"
+# ``rehearsal:<fold>/<folds>:``: a fold's digits, which no module's class name has
+_NAME = re.compile(rf"{PREFIX}:(\d+)/(\d+):(.+)")
 
 
 def rehearsal_task_name(task: str, fold: int, folds: int) -> str:
@@ -30,28 +33,25 @@ def rehearsal_task_name(task: str, fold: int, folds: int) -> str:
 
 
 def parse_rehearsal_name(name: str) -> tuple[int, int, str] | None:
-    """(fold, folds, task) of a rehearsal task's name; None for any other name."""
-    head, sep, rest = name.partition(":")
-    if head != PREFIX or not sep:
+    """(fold, folds, task) of a rehearsal task's name; None for any other name (a user's
+    module named ``rehearsal`` resolves as before)."""
+    match = _NAME.fullmatch(name)
+    if match is None:
         return None
-    where, sep, task = rest.partition(":")
-    fold, slash, folds = where.partition("/")
-    if not (sep and slash and fold.isdigit() and folds.isdigit() and task):
-        raise ValueError(
-            f"task {name!r}: a rehearsal is named 'rehearsal:<fold>/<folds>:<task>', e.g. "
-            "'rehearsal:0/2:pneumonia'"
-        )
-    fold_, folds_ = int(fold), int(folds)
-    if not (folds_ >= 2 and 0 <= fold_ < folds_):
+    fold, folds = int(match[1]), int(match[2])
+    if not (folds >= 2 and 0 <= fold < folds):
         raise ValueError(f"task {name!r}: a rehearsal's fold must be one of 0..folds-1, folds >= 2")
-    return fold_, folds_, task
+    return fold, folds, match[3]
 
 
 class _SubsetWithTargets(Subset):
-    """A subset that keeps its labels readable in one call (partitions by label use them)."""
+    """A subset that keeps its labels readable in one call (partitions by label use them),
+    read once."""
 
     def targets(self) -> np.ndarray:
-        return dataset_targets(self.dataset)[np.asarray(self.indices, dtype=np.int64)]
+        if not hasattr(self, "_targets"):
+            self._targets = dataset_targets(self.dataset)[np.asarray(self.indices, np.int64)]
+        return self._targets
 
 
 @functools.cache

@@ -17,6 +17,7 @@ the Flower adapter) asks the round's mode instead of comparing its name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
@@ -101,11 +102,11 @@ class Mode:
         """Whose release the server's ledger records."""
         return "federation"
 
-    def rehearsed_as(self) -> str:
-        """The mode a rehearsal of this mode's run on the server's own data runs in
-        (``gep_fed.federation.tuning.Rehearsal``): one that puts the same noise on the
-        model's update."""
-        return self.name
+    def rehearsed_as(self, cfg) -> tuple[str, float]:
+        """How a rehearsal of run ``cfg`` (``FederationConfig``) on the server's own data
+        runs (``gep_fed.federation.tuning.Rehearsal``): the mode, and the factor on sigma,
+        that put the same noise on the model's update."""
+        return self.name, 1.0
 
     def site_events(
         self, site: Site, rc: RoundConfig, subspace: AnchorSubspace | None
@@ -214,9 +215,10 @@ class DistributedMode(Mode):
     def server_events(self, contract, round_, local_steps, dimension):
         return contract.events(1, party="federation", round=round_, dimension=dimension)
 
-    def rehearsed_as(self) -> str:
-        # the shares add up to central mode's noise; the secure sum changes no update
-        return "central"
+    def rehearsed_as(self, cfg) -> tuple[str, float]:
+        # each of the K sites adds a share of 1/t of the variance: K/t times central's in all
+        # (the secure sum itself changes no update)
+        return "central", math.sqrt(cfg.num_sites / cfg.shares_needed)
 
     def release(self, site, rc, subspace):
         return SiteRelease(share=site.distributed_share(subspace, rc))

@@ -119,9 +119,10 @@ class Rehearsal:
     def emulation(
         self, fed: FederationConfig, fold: int, sites_examples: int, examples: int
     ) -> FederationConfig:
-        """Candidate ``fed`` (its real run's settings) rehearsed on fold ``fold``, trained on
-        ``examples`` of the server's validation examples where the sites hold
-        ``sites_examples``: its task the rehearsal's, its sigma and q the emulation's.
+        """Candidate ``fed`` (its real run's settings, its sites as they will run) rehearsed
+        on fold ``fold``, trained on ``examples`` of the server's validation examples where
+        the sites hold ``sites_examples``: its task the rehearsal's, its mode, sigma and q the
+        emulation's (``Mode.rehearsed_as``).
 
         Raises:
             ConfigError: the rehearsal's own accounting would exceed ``REHEARSAL_EPSILON``
@@ -131,13 +132,14 @@ class Rehearsal:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"a rehearsal needs {name} >= 1, got {value!r}")
         contract = fed.contract
+        mode, noise = fed.noise_mode.rehearsed_as(fed)
         batch = contract.sample_rate * sites_examples
         sample_rate = min(1.0, batch / examples)
-        sigma = contract.noise_multiplier * sample_rate * examples / batch
+        sigma = noise * contract.noise_multiplier * sample_rate * examples / batch
         rehearsed = replace(
             fed,
             task=rehearsal_task_name(fed.task, fold, self.folds),
-            mode=fed.noise_mode.rehearsed_as(),
+            mode=mode,
             noise_multiplier=sigma,
             sample_rate=sample_rate,
             target_epsilon=REHEARSAL_EPSILON,
@@ -150,7 +152,7 @@ class Rehearsal:
                 f"a run on {sites_examples} (sigma {sigma:.3g} at q {sample_rate:.3g} over "
                 f"{rehearsed.steps_per_party} steps: its own accounting, epsilon "
                 f"{spent:.4g} > {REHEARSAL_EPSILON:g}): give the server more validation "
-                "data, or tune without --rehearse"
+                "data, or choose without a rehearsal"
             )
         return rehearsed
 
@@ -302,9 +304,9 @@ class TuneConfig:
         given = [
             name
             for name, value in (
-                ("trials", self.trials),
-                ("random trials", self.random_trials),
-                ("site validation", self.site_score),
+                ("trials (--trials, tune-trials)", self.trials),
+                ("random trials (--random-trials, tune-random-trials)", self.random_trials),
+                ("site validation (--site-validation, tune-site-validation)", self.site_score),
             )
             if value is not None
         ]
@@ -381,8 +383,6 @@ class TuneConfig:
 
     @property
     def num_trials(self) -> int:
-        if self.rehearsal is not None:  # the rehearsal's choice alone
-            return 1
         return len(self.candidates) if self.trials is None else self.trials
 
     def candidate_config(self, index: int, epsilon: float | None = None) -> FederationConfig:
@@ -771,12 +771,20 @@ def search_of_run_config(record: Mapping[str, object], run_id: int | str) -> Tun
             _typed(search, "tune-score-noise", int | float, "a standard deviation"),
             ("run config tune-site-validation", "tune-score-noise"),
         ),
-        rehearsal=_rehearsal_of(_typed(search, "tune-rehearse", int, "a number of folds")),
+        rehearsal=_rehearsal_of(search.get("tune-rehearse")),
     )
 
 
-def _rehearsal_of(folds: int | None) -> Rehearsal | None:
-    return None if folds is None else Rehearsal(folds)
+def _rehearsal_of(value: object) -> Rehearsal | None:
+    """Run config ``tune-rehearse``: true (2 folds, as a bare ``--rehearse``), a number of
+    folds, or false."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Rehearsal()
+    if isinstance(value, int):
+        return Rehearsal(value)
+    raise ConfigError(f"run config tune-rehearse must be true or a number of folds, got {value!r}")
 
 
 def run_settings(record: Mapping[str, object]) -> FederationConfig:

@@ -46,7 +46,7 @@ def run_search(config: TuneConfig, grid: Grid, context: Context) -> None:
         search.run_trials(specs, on_trial, grid, context, stop=request)
 
     try:
-        result = tune(config, log=print, run_trials=run_trials)
+        result = tune(config, log=print, run_trials=run_trials, stop=request)
     except TuneInterrupted as stopped:
         log.error("FAILED: %s", stopped.line())
         raise RunFailedError(stopped.line()) from None

@@ -3,13 +3,14 @@ before any site trains (``gep_fed.federation.tuning.Rehearsal``).
 
 The rehearsal's runs are one Flower simulation in this process (the server's own: under
 ``flwr run`` too, the real sites take no part), their simulated sites' ledgers in the
-tuning's ``rehearsal/`` folder, apart from the real sites'. What it returns is the record
-``tune.json`` keeps: each run's score and the choice, which depends on no site's data.
+tuning's ``rehearsal/attempt-N`` folder, apart from the real sites'. A stopped rehearsal is
+run again whole in the next attempt's folder (the earlier one is kept: nothing recorded is
+removed). What it returns is the record ``tune.json`` keeps: each run's score and the choice,
+which depends on no site's data.
 """
 
 from __future__ import annotations
 
-import shutil
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,7 +21,7 @@ from gep_fed.federation.rundir import rounds_not_applied
 from gep_fed.federation.server import best_validation
 from gep_fed.federation.tuning import REHEARSAL_EPSILON, TuneConfig
 from gep_fed.flower import search  # a module: tests replace its simulate_search
-from gep_fed.flower.interrupt import RunInterrupted
+from gep_fed.flower.interrupt import RunInterrupted, StopRequest
 from gep_fed.flower.search import TrialSpec
 from gep_fed.validation import ConfigError
 
@@ -41,10 +42,14 @@ def rehearse(
     out: Path,
     sites_examples: int,
     say: Callable[[str], None],
+    *,
+    num_sites: int | None = None,
     progress: bool = False,
+    stop: StopRequest | None = None,
 ) -> dict:
     """Run every candidate of ``config`` on each fold of the server's validation data (its
-    ``Rehearsal``) where the sites hold ``sites_examples``, and choose the best mean score.
+    ``Rehearsal``) where ``num_sites`` sites (None: the base's) hold ``sites_examples``, and
+    choose the best mean score. ``stop``: the caller's stop request (``flwr stop``).
 
     Returns:
         ``{"label", "folds", "sites_examples", "examples", "runs", "scores", "chosen"}``:
@@ -56,10 +61,8 @@ def rehearse(
         RehearsalInterrupted: a stop request (Ctrl-C) ended it.
     """
     rehearsal = config.rehearsal
-    folder = out / FOLDER
-    if folder.exists():  # an interrupted rehearsal's runs: the server's own, run again whole
-        shutil.rmtree(folder)
     first = config.candidate_config(0)
+    sites = num_sites or first.num_sites
     examples = {
         fold: len(
             replace(first, task=rehearsal_task_name(first.task, fold, rehearsal.folds))
@@ -68,23 +71,30 @@ def rehearse(
         )
         for fold in range(rehearsal.folds)
     }
+    earlier = sorted((out / FOLDER).glob("attempt-*")) if (out / FOLDER).is_dir() else []
+    folder = out / FOLDER / f"attempt-{len(earlier) + 1}"
     specs, where = [], {}
     for index in range(len(config.candidates)):
         real = config.candidate_config(index)
+        real = replace(real, num_sites=sites, min_sites=min(real.min_sites, sites))
         for fold in range(rehearsal.folds):
+            try:
+                fed = rehearsal.emulation(real, fold, sites_examples, examples[fold])
+            except ConfigError as err:
+                raise ConfigError(f"candidate {index + 1}: {err}") from None
             fed = replace(
-                rehearsal.emulation(real, fold, sites_examples, examples[fold]),
-                run_dir=str(folder),
-                run_name=f"candidate-{index + 1:03d}-fold-{fold + 1}",
+                fed, run_dir=str(folder), run_name=f"candidate-{index + 1:03d}-fold-{fold + 1}"
             )
             number = len(specs) + 1
             where[number] = (index + 1, fold + 1)
-            sites = {"epsilon-budget": REHEARSAL_EPSILON, "delta": fed.delta}
-            specs.append(TrialSpec(number, fed, sites))
+            budget = {"epsilon-budget": REHEARSAL_EPSILON, "delta": fed.delta}
+            specs.append(TrialSpec(number, fed, budget))
+    if earlier:  # kept as they were: the server's own runs, none of a site's record
+        say(f"tune: an earlier rehearsal stopped unfinished ({earlier[-1]}); rehearsing again")
     say(
         f"tune: rehearsing {len(config.candidates)} candidate(s) on {rehearsal.folds} folds of "
-        f"the server's validation data ({LABEL}), each as a federation of the sites' "
-        f"{sites_examples} examples would run"
+        f"the server's validation data ({LABEL}), each as a federation of {sites} sites "
+        f"holding {sites_examples} examples would run ({folder})"
     )
     runs: list[dict] = []
 
@@ -112,7 +122,7 @@ def rehearse(
         return True
 
     try:
-        search.simulate_search(specs, on_run, progress=progress, engine="in-process")
+        search.simulate_search(specs, on_run, progress=progress, engine="in-process", stop=stop)
     except RunInterrupted as stop:
         number = getattr(stop, "trial", None) or specs[min(len(runs), len(specs) - 1)].number
         candidate, fold = where[number]
@@ -143,6 +153,7 @@ def rehearse(
     return {
         "label": LABEL,
         "folds": rehearsal.folds,
+        "sites": sites,
         "sites_examples": sites_examples,
         "examples": [examples[f] for f in range(rehearsal.folds)],
         "runs": runs,

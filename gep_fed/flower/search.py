@@ -185,9 +185,11 @@ def simulate_search(
     site_data: Mapping[str, str] | None = None,
     drop_bad_examples: bool = False,
     engine: str = "ray",
+    stop: StopRequest | None = None,
 ) -> None:
     """Run a search's trials as one Flower simulation (one Simulation Engine, or this
-    process: ``engine``, as ``simulate``'s), calling ``on_trial`` after each.
+    process: ``engine``, as ``simulate``'s), calling ``on_trial`` after each. ``stop``: a
+    stop request of the caller's (a ServerApp's ``flwr stop``) beside the first Ctrl-C.
 
     Each trial's settings are checked first as ``simulate`` checks a run's (its sites'
     data, its privacy contract resolved). Every trial must have the same number of sites.
@@ -223,7 +225,7 @@ def simulate_search(
         for spec, (first, last) in zip(checked, trial_rounds(checked), strict=True)
     ]
     outcome: dict = {}
-    stop = StopRequest()
+    stop = stop if stop is not None else StopRequest()
     committed = [0]
     with quiet_flower(stop, committed, "rerun the same command"):
         server_app = make_search_server_app(checked, on_trial, outcome, progress, stop, committed)

@@ -68,7 +68,7 @@ from gep_fed.federation.tuning import (
 from gep_fed.federation.wire import SelectionTerms
 from gep_fed.files import write_bytes_atomically
 from gep_fed.flower import search  # a module: tests replace its simulate_search
-from gep_fed.flower.interrupt import RunInterrupted
+from gep_fed.flower.interrupt import RunInterrupted, StopRequest
 from gep_fed.flower.rehearsal import FOLDER as REHEARSAL_FOLDER
 from gep_fed.flower.rehearsal import RehearsalInterrupted, rehearse
 from gep_fed.flower.search import TrialSpec
@@ -313,6 +313,7 @@ def tune(
     log: Callable[[str], None] | None = None,
     simulate_options: Mapping[str, object] | None = None,
     run_trials: RunTrials | None = None,
+    stop: StopRequest | None = None,
 ) -> TuneResult:
     """Run the tuning: plan the trials, calibrate their common budget, run them one after
     another in one Flower simulation (``gep_fed.flower.search.simulate_search``) whose sites
@@ -331,6 +332,8 @@ def tune(
         run_trials: runs the trials instead, one after another, calling back after each
             (``search.run_trials`` over a ServerApp's grid: ``flwr run``); None: one
             simulation (``search.simulate_search`` with ``simulate_options``).
+        stop: a stop request of the caller's (a ServerApp's ``flwr stop``) that also ends a
+            rehearsal (``TuneConfig.rehearsal``), which runs in this process.
 
     Returns:
         A ``TuneResult``; ``tune.json`` and ``tune.md`` are in its ``out_dir``.
@@ -343,6 +346,7 @@ def tune(
     """
     say = log or (lambda line: None)
     options = dict(simulate_options or {})
+    simulated = run_trials is None
     if run_trials is None:
 
         def run_trials(specs: Sequence[TrialSpec], on_trial: search.OnTrial) -> None:
@@ -363,7 +367,9 @@ def tune(
         stopped, rehearsal = saved["stopped"], saved.get("rehearsal")
         say(f"tune: resuming {out} after {len(trials)} of its {len(plan)} trial(s)")
     else:
-        rehearsal = _rehearsal(config, out, say, options) if config.rehearsal else None
+        rehearsal = None
+        if config.rehearsal is not None:
+            rehearsal = _rehearsal(config, out, say, options, simulated, stop)
         plan, epsilon, planned, stopped = _plan(config, rng, say, rehearsal)
         trials = []
     # a random K: the sites record its selection themselves, from the round configs
@@ -512,16 +518,17 @@ def _announce(trial: Trial, planned: int, say: Callable[[str], None]) -> str | N
 
 class TuneInterrupted(RunInterrupted):
     """A tuning stopped inside one of its runs (Ctrl-C): the same settings and folder resume
-    it. ``where``: that run ("trial 2 of 5", "the reference's candidate 1 of 3")."""
+    it. ``where``: that run ("trial 2 of 5", "the reference's candidate 1 of 3"); ``then``:
+    what the rerun does (a rehearsal runs again whole)."""
 
-    def __init__(self, where: str, completed_round: int, out: Path) -> None:
-        self.where, self.out = where, out
+    def __init__(self, where: str, completed_round: int, out: Path, then: str = "resume") -> None:
+        self.where, self.out, self.then = where, out, then
         super().__init__(completed_round)
 
     def line(self) -> str:
         return (
             f"tune interrupted in {self.where} (after its round {self.completed_round}): "
-            f"rerun the same command with --out {self.out} to resume"
+            f"rerun the same command with --out {self.out} to {self.then}"
         )
 
 
@@ -584,23 +591,42 @@ def _selection_terms(out: Path, planner: TrialPlanner, epsilon: float) -> Select
     return SelectionTerms(path.read_text().strip(), 1, planner.selection_event(epsilon))
 
 
-def _rehearsal(config: TuneConfig, out: Path, say, options: Mapping[str, object]) -> dict:
-    """The rehearsal's record (``rehearse``), the sites' total size the one its noise is
-    emulated for: declared (``total_examples``), else the simulated sites' own."""
+def _rehearsal(
+    config: TuneConfig,
+    out: Path,
+    say,
+    options: Mapping[str, object],
+    simulated: bool,
+    stop: StopRequest | None,
+) -> dict:
+    """The rehearsal's record (``rehearse``), for the sites as the trials will run them:
+    their number (a simulation's ``site_data``: one per entry) and their total size, the one
+    its noise is emulated for: declared (``total_examples``), else, in a simulation this
+    process runs, the simulated sites' own count. Under ``flwr run`` the server cannot count
+    the sites' examples, so it must be declared."""
     base = config.candidate_config(0)
     sites_examples = base.total_examples
+    if sites_examples is None and not simulated:
+        raise ConfigError(
+            "a rehearsal emulates the noise of a run on the sites' examples: declare their "
+            "total in the run config (total-examples), which the server cannot count"
+        )
     if sites_examples is None:
-        try:
-            sites_examples = _trained_examples(base, _site_settings(config, out / "sites"), options)
-        except NotImplementedError:  # a deployment: the sites' data is theirs alone
-            raise ConfigError(
-                "a rehearsal emulates the noise of a run on the sites' examples: declare "
-                "their total (total-examples), which the server cannot count"
-            ) from None
+        sites_examples = _trained_examples(base, _site_settings(config, out / "sites"), options)
+    site_data = options.get("site_data")
     try:
-        return rehearse(config, out, sites_examples, say, bool(options.get("progress")))
-    except RehearsalInterrupted as stop:
-        raise TuneInterrupted(stop.where, stop.completed_round, out) from None
+        return rehearse(
+            config,
+            out,
+            sites_examples,
+            say,
+            num_sites=len(site_data) if site_data else None,
+            progress=bool(options.get("progress")),
+            stop=stop,
+        )
+    except RehearsalInterrupted as stopped:
+        again = "rehearse again (a rehearsal is the server's own: no site spent anything)"
+        raise TuneInterrupted(stopped.where, stopped.completed_round, out, again) from None
 
 
 def _plan(config: TuneConfig, rng: random.Random | None, say, rehearsal=None) -> tuple:
