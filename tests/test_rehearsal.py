@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from gep_fed.federation.tuning import (
     TuneConfig,
     search_of_run_config,
 )
+from gep_fed.flower.interrupt import RunInterrupted
 from gep_fed.flower.rehearsal import rehearse
 from gep_fed.flower.tuning import tune
 from gep_fed.validation import ConfigError
@@ -109,7 +111,7 @@ def test_the_emulation_keeps_the_noise_on_the_update_relative_to_its_signal(
 
 def test_a_distributed_rehearsal_carries_the_noise_of_every_sites_share():
     """K sites each add 1/t of the variance: K/t times central's on the sum."""
-    real = base(mode="distributed", num_sites=4, noise_shares=1, sample_rate=0.25, rounds=3)
+    real = base(mode="distributed", num_sites=8, noise_shares=2, sample_rate=0.25, rounds=3)
     rehearsed = Rehearsal(2).emulation(real, 0, 1000, 250)
     assert rehearsed.mode == "central" and rehearsed.sample_rate == 1.0
     assert rehearsed.noise_multiplier == pytest.approx(2 * real.contract.noise_multiplier)
@@ -209,8 +211,9 @@ def test_a_rehearsed_tuning_chooses_on_the_servers_data_and_the_sites_record_one
     lines = []
     with pytest.raises(TuneInterrupted, match=r"in trial 1 of 1 .* to resume"):
         tune(config, simulate_options=options, log=lines.append, run_trials=stopped_trial)
-    assert any("an earlier rehearsal stopped unfinished" in line for line in lines)
     assert (out / "rehearsal" / "attempt-1" / "its-runs").read_text() == "kept"
+    assert any("an earlier rehearsal (attempt-1) left no recorded choice" in x for x in lines)
+    assert any("the rehearsal chooses candidate 2" in line for line in lines)
     lines.clear()
     result = tune(config, simulate_options=options, log=lines.append)
     assert not any("rehearsing" in line for line in lines)  # the recorded choice, resumed
@@ -282,10 +285,27 @@ def test_a_rehearsal_runs_as_many_sites_as_the_simulations_own_data_names(tmp_pa
             on_trial(spec, SimulationResult(tmp_path, [row], None, 0.0))
 
     monkeypatch.setattr(search, "simulate_search", scored)
-    config = TuneConfig(base(total_examples=400), CANDIDATES, rehearsal=Rehearsal())
+    config = TuneConfig(
+        base(
+            total_examples=400,
+            partition="dirichlet",
+            mode="distributed",
+            num_sites=3,
+            noise_shares=2,
+        ),
+        CANDIDATES,
+        rehearsal=Rehearsal(),
+    )
     record = rehearse(config, tmp_path, 400, lambda line: None, num_sites=4)
-    assert [f.num_sites for f in seen] == [4] * 4 and record["sites"] == 4
-    assert record["chosen"] == 2  # the later runs scored higher here
+    # the sites' own data is no Dirichlet split: each fold is shared out IID, to 4 sites
+    assert [(f.num_sites, f.partition) for f in seen] == [(4, "iid")] * 4
+    assert record["sites"] == 4 and record["chosen"] == 2  # the later runs scored higher
+    real = replace(config.candidate_config(0), num_sites=4)  # 4 sites' shares of t = 2
+    assert seen[0].noise_multiplier / seen[0].sample_rate == pytest.approx(
+        2**0.5 * real.contract.noise_multiplier / real.contract.sample_rate * 90 / 400
+    )
+    with pytest.raises(ConfigError, match=r"fold of 90 .* cannot be shared by 91 sites"):
+        rehearse(config, tmp_path, 400, lambda line: None, num_sites=91)
     asked = {}
 
     def capture(config, out, sites_examples, say, **kwargs):
@@ -297,3 +317,66 @@ def test_a_rehearsal_runs_as_many_sites_as_the_simulations_own_data_names(tmp_pa
     with pytest.raises(ConfigError, match="captured"):
         tune(config, simulate_options={"site_data": site_data, "engine": "in-process"})
     assert asked["num_sites"] == 5
+
+
+def test_a_rehearsal_numbers_its_attempt_after_the_highest_and_keeps_every_earlier_one(
+    tmp_path, monkeypatch
+):
+    from gep_fed.flower import search
+
+    folders = []
+
+    def stopped(specs, on_trial, **options):
+        folders.append(Path(specs[0].fed.run_dir).name)
+        raise search.SearchInterrupted(1, 0, "rerun")
+
+    monkeypatch.setattr(search, "simulate_search", stopped)
+    for name in ("attempt-2", "attempt-10", "attempt-notes"):
+        (tmp_path / "rehearsal" / name).mkdir(parents=True)
+    config = TuneConfig(base(total_examples=400), CANDIDATES, rehearsal=Rehearsal())
+    lines = []
+    with pytest.raises(RunInterrupted):
+        rehearse(config, tmp_path, 400, lines.append)
+    assert folders == ["attempt-11"]
+    assert "an earlier rehearsal (attempt-10) left no recorded choice" in lines[0]
+    assert {p.name for p in (tmp_path / "rehearsal").iterdir()} >= {"attempt-2", "attempt-10"}
+
+
+def test_a_file_where_the_tuning_keeps_its_rehearsal_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "tune"
+    out.mkdir()
+    (out / "rehearsal").write_text("not a folder")
+    config = TuneConfig(base(), CANDIDATES, out_dir=str(out), rehearsal=Rehearsal())
+    with pytest.raises(ConfigError, match="rehearsal is a file, not a folder: choose another"):
+        tune(config, simulate_options={"engine": "in-process"})
+
+
+def test_a_stop_request_of_the_caller_reaches_the_rehearsals_simulation(tmp_path, monkeypatch):
+    """``flwr stop`` (the ServerApp's stop request) ends a rehearsal as it ends a trial."""
+    from gep_fed.flower import flwr_app, search
+    from gep_fed.flower.interrupt import StopRequest
+
+    given = []
+
+    def stopped(specs, on_trial, **options):
+        given.append(options["stop"])
+        raise search.SearchInterrupted(1, 0, "rerun")
+
+    monkeypatch.setattr(search, "simulate_search", stopped)
+    config = TuneConfig(
+        base(total_examples=400), CANDIDATES, out_dir=str(tmp_path / "t"), rehearsal=Rehearsal()
+    )
+    request = StopRequest()
+    with pytest.raises(RunInterrupted):
+        tune(config, run_trials=lambda specs, on_trial: None, stop=request)
+    assert given == [request]
+    passed = {}
+
+    def recording_tune(config, **kwargs):
+        passed.update(kwargs)
+        raise ConfigError("recorded")
+
+    monkeypatch.setattr(flwr_app, "tune", recording_tune)
+    with pytest.raises(ConfigError, match="recorded"):
+        flwr_app.run_search(config, grid=None, context=None)
+    assert isinstance(passed["stop"], StopRequest)

@@ -33,7 +33,7 @@ def partition_indices(
         raise ValueError(f"partition must be one of {list(PARTITIONS)}, got {scheme!r}")
     if num_sites < 1:
         raise ValueError(f"num_sites must be >= 1, got {num_sites}")
-    if len(labels) < num_sites * max(1, min_size if scheme == "dirichlet" else 1):
+    if len(labels) < fewest_examples(num_sites, scheme, min_size):
         raise ValueError(f"{len(labels)} examples cannot be split across {num_sites} sites")
     if scheme == "dirichlet" and not alpha > 0:
         raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
@@ -43,6 +43,11 @@ def partition_indices(
         return _split(labels, *args)
     parts = _partition(labels.tobytes(), labels.dtype.str, labels.shape, *args)
     return [part.copy() for part in parts]
+
+
+def fewest_examples(num_sites: int, scheme: str, min_size: int = 10) -> int:
+    """The fewest examples ``partition`` splits across ``num_sites`` sites by ``scheme``."""
+    return num_sites * max(1, min_size if scheme == "dirichlet" else 1)
 
 
 # Every simulated site of a run asks for the same split of the same labels (Dirichlet over

@@ -11,11 +11,13 @@ which depends on no site's data.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from gep_fed.data.partition import fewest_examples
 from gep_fed.data.rehearsal import rehearsal_task_name
 from gep_fed.federation.rundir import rounds_not_applied
 from gep_fed.federation.server import best_validation
@@ -27,6 +29,14 @@ from gep_fed.validation import ConfigError
 
 FOLDER = "rehearsal"
 LABEL = "the server's validation data: no site's data, no site's budget"
+
+
+def _latest_attempt(folder: Path) -> int:
+    """The highest N of ``folder``'s ``attempt-N`` folders (0: none)."""
+    if not folder.is_dir():
+        return 0
+    numbers = [re.fullmatch(r"attempt-(\d+)", p.name) for p in folder.iterdir() if p.is_dir()]
+    return max((int(m[1]) for m in numbers if m), default=0)
 
 
 class RehearsalInterrupted(RunInterrupted):
@@ -49,7 +59,9 @@ def rehearse(
 ) -> dict:
     """Run every candidate of ``config`` on each fold of the server's validation data (its
     ``Rehearsal``) where ``num_sites`` sites (None: the base's) hold ``sites_examples``, and
-    choose the best mean score. ``stop``: the caller's stop request (``flwr stop``).
+    choose the best mean score. ``num_sites`` given (a simulation's own data per site, never
+    split by the base's partition): each fold is shared out IID. ``stop``: the caller's stop
+    request (``flwr stop``).
 
     Returns:
         ``{"label", "folds", "sites_examples", "examples", "runs", "scores", "chosen"}``:
@@ -63,6 +75,7 @@ def rehearse(
     rehearsal = config.rehearsal
     first = config.candidate_config(0)
     sites = num_sites or first.num_sites
+    partition = "iid" if num_sites else first.partition
     examples = {
         fold: len(
             replace(first, task=rehearsal_task_name(first.task, fold, rehearsal.folds))
@@ -71,12 +84,21 @@ def rehearse(
         )
         for fold in range(rehearsal.folds)
     }
-    earlier = sorted((out / FOLDER).glob("attempt-*")) if (out / FOLDER).is_dir() else []
-    folder = out / FOLDER / f"attempt-{len(earlier) + 1}"
+    needed = fewest_examples(sites, partition)
+    if min(examples.values()) < needed:
+        raise ConfigError(
+            f"a rehearsal fold of {min(examples.values())} of the server's validation examples "
+            f"cannot be shared by {sites} sites ({partition}: at least {needed}): rehearse on "
+            "fewer folds, or give the server more validation data"
+        )
+    latest = _latest_attempt(out / FOLDER)
+    folder = out / FOLDER / f"attempt-{latest + 1}"
     specs, where = [], {}
     for index in range(len(config.candidates)):
         real = config.candidate_config(index)
-        real = replace(real, num_sites=sites, min_sites=min(real.min_sites, sites))
+        real = replace(
+            real, num_sites=sites, min_sites=min(real.min_sites, sites), partition=partition
+        )
         for fold in range(rehearsal.folds):
             try:
                 fed = rehearsal.emulation(real, fold, sites_examples, examples[fold])
@@ -89,8 +111,11 @@ def rehearse(
             where[number] = (index + 1, fold + 1)
             budget = {"epsilon-budget": REHEARSAL_EPSILON, "delta": fed.delta}
             specs.append(TrialSpec(number, fed, budget))
-    if earlier:  # kept as they were: the server's own runs, none of a site's record
-        say(f"tune: an earlier rehearsal stopped unfinished ({earlier[-1]}); rehearsing again")
+    if latest:  # kept as they were: the server's own runs, none of a site's record
+        say(
+            f"tune: an earlier rehearsal (attempt-{latest}) left no recorded choice; rehearsing "
+            "again"
+        )
     say(
         f"tune: rehearsing {len(config.candidates)} candidate(s) on {rehearsal.folds} folds of "
         f"the server's validation data ({LABEL}), each as a federation of {sites} sites "

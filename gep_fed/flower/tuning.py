@@ -547,6 +547,9 @@ def _resumable(out: Path, config: TuneConfig) -> dict | None:
             )
         if out.exists() and not out.is_dir():
             raise ConfigError(f"{out} is a file, not a folder: choose another --out")
+        for name in ("sites", REHEARSAL_FOLDER):  # where the tuning keeps its own folders
+            if (out / name).exists() and not (out / name).is_dir():
+                raise ConfigError(f"{out / name} is a file, not a folder: choose another --out")
         return None
     try:
         saved = json.loads(path.read_text())
