@@ -395,15 +395,13 @@ def table(rows: dict) -> str:
                 f"{_stat(auroc)} | {width:.3f} |"
             )
         lines.append(f"| {set_name} | majority rate | | {_stat(majority)} | | | |")
-    earlier = sorted({(r["code"], k[2]) for k, r in rows.items() if r.get("code")})
-    for code, kind in earlier:
-        which = sorted(f"{k[0]} {k[1]}" for k, r in rows.items() if r.get("code") == code)
-        lines += [
-            "",
-            f"Rows of kind {kind} run at commit {code} (the same training code; the "
-            f"rehearsal before its reviews' fixes, none of which changes a client-mode run on "
-            f"pooled data): {', '.join(which)}.",
-        ]
+    # rows run at another commit than their protocol's others, each with why it still counts
+    earlier = sorted({(r["code"], k[2], r["code_note"]) for k, r in rows.items() if "code" in r})
+    for code, kind, note in earlier:
+        which = sorted(
+            f"{k[0]} {k[1]}" for k, r in rows.items() if r.get("code") == code and k[2] == kind
+        )
+        lines += ["", f"Rows of kind {kind} run at commit {code} ({note}): {', '.join(which)}."]
     return "\n".join(lines) + "\n"
 
 

@@ -188,35 +188,47 @@ def test_image_folder_decodes_only_the_requested_files(tmp_path, monkeypatch):
 def test_an_image_above_the_pixel_cap_is_one_bad_example_named_before_its_pixels_decode(
     tmp_path, monkeypatch
 ):
-    """A scan of more pixels than ``MAX_IMAGE_PIXELS`` (its header's size) is refused before
-    it is decoded, by ``check()`` and on read; the images beside it read as before."""
+    """A scan of more values than ``MAX_IMAGE_VALUES`` (its header's size and channels) is
+    refused before it is decoded, by ``check()`` and on read, in its own words; the images
+    beside it read as before."""
     import gep_fed.data.formats as formats
 
     write_pngs(tmp_path, {"a": [np.zeros((8, 8), np.uint8), np.zeros((16, 16), np.uint8)]})
-    monkeypatch.setattr(formats, "MAX_IMAGE_PIXELS", 100)
+    monkeypatch.setattr(formats, "MAX_IMAGE_VALUES", 100)
     decoded = []
     original = formats._pil_array
     monkeypatch.setattr(formats, "_pil_array", lambda image: decoded.append(1) or original(image))
     ds = ImageFolderDataset(tmp_path, ImageTransform(size=(8, 8), channels=1))
     assert ds[0][0].shape == (1, 8, 8) and decoded == [1]
-    with pytest.raises(DataError, match=r"16x16 \(HxW\), 256 pixels, more than the 100"):
+    with pytest.raises(DataError, match=r"16x16 \(HxW\) with 1 channel\(s\), 256 values") as err:
         ds[1]
+    assert "cannot decode" not in str(err.value)  # an intact file, refused for its size
     assert decoded == [1]  # the large one's pixels were never decoded
     with pytest.raises(DataError, match="downsample it before it joins the data folder"):
         ds.check()
 
 
-def test_a_dicom_image_above_the_pixel_cap_is_refused_from_its_header(tmp_path, monkeypatch):
-    pydicom_or_skip()
+def test_a_dicom_image_above_the_cap_is_refused_from_its_header_before_its_pixels(
+    tmp_path, monkeypatch
+):
+    pydicom = pydicom_or_skip()
     import gep_fed.data.formats as formats
 
     write_dicom(tmp_path / "a" / "0.dcm", np.zeros((4, 4)))
     write_dicom(tmp_path / "a" / "1.dcm", np.zeros((12, 12)))
-    monkeypatch.setattr(formats, "MAX_IMAGE_PIXELS", 100)
+    monkeypatch.setattr(formats, "MAX_IMAGE_VALUES", 100)
+    decoded = []
+    original = pydicom.dataset.Dataset.pixel_array
+    monkeypatch.setattr(
+        pydicom.dataset.Dataset,
+        "pixel_array",
+        property(lambda ds: decoded.append(1) or original.fget(ds)),
+    )
     ds = DicomFolderDataset(tmp_path, ImageTransform(size=(4, 4), channels=1))
-    assert ds[0][0].shape == (1, 4, 4)
-    with pytest.raises(DataError, match=r"12x12 \(HxW\), 144 pixels"):
+    assert ds[0][0].shape == (1, 4, 4) and decoded == [1]
+    with pytest.raises(DataError, match=r"12x12 \(HxW\) with 1 channel\(s\), 144 values") as err:
         ds[1]
+    assert decoded == [1] and "cannot read" not in str(err.value)
 
 
 def test_a_site_may_lack_a_declared_class_but_not_every_image(tmp_path):
@@ -637,8 +649,8 @@ def test_dicom_malformed_files_name_the_file(tmp_path):
         ds.check()
     with pytest.raises(DataError, match=r"a/2\.dcm is 5x4 \(HxW\) but the expected size is 4x4"):
         ds[2]
-    with pytest.raises(DataError, match=r"a/3\.dcm holds pixel data of shape \(2, 4, 4\)"):
-        ds[3]
+    with pytest.raises(DataError, match=r"a/3\.dcm holds 2 frames; expected one 2-D image"):
+        ds[3]  # refused from its header, no frame decoded
     assert DicomFolderDataset(tmp_path, classes=["a", "b"]).missing_classes == ["b"]
 
 

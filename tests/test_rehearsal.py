@@ -304,7 +304,7 @@ def test_a_rehearsal_runs_as_many_sites_as_the_simulations_own_data_names(tmp_pa
     assert seen[0].noise_multiplier / seen[0].sample_rate == pytest.approx(
         2**0.5 * real.contract.noise_multiplier / real.contract.sample_rate * 90 / 400
     )
-    with pytest.raises(ConfigError, match=r"fold of 90 .* cannot be shared by 91 sites"):
+    with pytest.raises(ConfigError, match=r"trains on 90 .* too few to share by 91 sites"):
         rehearse(config, tmp_path, 400, lambda line: None, num_sites=91)
     asked = {}
 

@@ -512,20 +512,24 @@ def _files(folder: Path, extensions: tuple[str, ...]) -> list[Path]:
 # Files tried, in order, for the shape a folder's images must match: the first readable.
 SHAPE_REFERENCE_SEARCH = 100
 
-# The most pixels (height x width) a folder image may have, read from its header before any
-# decoding: an image is converted to float32 at full resolution before it is resized, so a
-# 9000 x 9000 scan would cost about 1 GiB, and a round sampling it could fail of memory after
-# its ledger's record (a failure that tells which files the sample drew). Above it, an image
-# is one bad example, named. 40 million: a 6,000 x 6,000 scan (a mammogram is about 14).
-MAX_IMAGE_PIXELS = 40_000_000
+# The most values (height x width x channels) a folder image may have, read from its header
+# before any decoding: an image is decoded at full resolution before it is resized (DICOM and
+# 16-bit grey are windowed in float64, in place: 10 to 13 bytes a value at the peak), so a
+# 9000 x 9000 RGB scan would cost GiBs, and a round sampling it could fail of memory after its
+# ledger's record (a failure that tells which files the sample drew). Above it, an image is one
+# bad example, named. 40 million: a 6,000 x 6,000 grey scan (a mammogram is about 14 million),
+# a 3,600 x 3,600 RGB photograph.
+MAX_IMAGE_VALUES = 40_000_000
 
 
-def _check_pixels(path: Path, height: int, width: int) -> None:
-    if height * width > MAX_IMAGE_PIXELS:
+def _check_size(path: Path, height: int, width: int, channels: int) -> None:
+    values = height * width * channels
+    if values > MAX_IMAGE_VALUES:
         raise DataError(
-            f"{path} is {height}x{width} (HxW), {height * width:,} pixels, more than the "
-            f"{MAX_IMAGE_PIXELS:,} an image may have (gep_fed.data.formats.MAX_IMAGE_PIXELS): "
-            "downsample it before it joins the data folder"
+            f"{path} is {height}x{width} (HxW) with {channels} channel(s), {values:,} values, "
+            f"more than the {MAX_IMAGE_VALUES:,} an image may have "
+            "(gep_fed.data.formats.MAX_IMAGE_VALUES): downsample it before it joins the data "
+            "folder"
         )
 
 
@@ -716,8 +720,10 @@ def _pil_channels(mode: str) -> int:
 def _pil_array(image: Image.Image) -> np.ndarray:
     if image.mode == "I" or image.mode.startswith("I;16"):
         # 16-bit grey (e.g. exported scans): scaled by its bit depth, not by measured statistics.
-        wide = np.clip(np.asarray(image, dtype=np.float64), 0, 65535)
-        return np.round(wide / 257.0).astype(np.uint8)
+        wide = np.asarray(image, dtype=np.float64)  # one float64 copy, scaled in place
+        np.clip(wide, 0, 65535, out=wide)
+        wide /= 257.0
+        return np.round(wide, out=wide).astype(np.uint8)
     return np.asarray(image.convert("L" if image.mode in _GREY_MODES else "RGB"))
 
 
@@ -746,14 +752,16 @@ class ImageFolderDataset(_FolderDataset):
                 image.verify()  # checks the file's structure (PNG chunk CRCs) without decoding
         except _PIL_ERRORS as err:
             raise DataError(f"{path}: not a readable image ({err})") from err
-        _check_pixels(path, shape[0], shape[1])
+        _check_size(path, *shape)
         return shape
 
     def _decode(self, path: Path) -> np.ndarray:
         try:
             with Image.open(path) as image:  # the header only, until the pixels are asked for
-                _check_pixels(path, image.height, image.width)
+                _check_size(path, image.height, image.width, _pil_channels(image.mode))
                 return _pil_array(image)
+        except DataError:  # the size check's own message, not "cannot decode"
+            raise
         except _PIL_ERRORS as err:
             raise DataError(f"{path}: cannot decode image ({err})") from err
 
@@ -825,8 +833,15 @@ class DicomFolderDataset(_FolderDataset):
             # large elements (the pixel data) are read only when asked for, after the check
             ds = pydicom.dcmread(path, stop_before_pixels=not pixels, defer_size="1 MB")
             shape = (int(ds.Rows), int(ds.Columns), int(ds.get("SamplesPerPixel", 1)))
-            _check_pixels(path, shape[0], shape[1])
+            if int(ds.get("NumberOfFrames", 1) or 1) > 1:  # from the header: no frame decoded
+                raise DataError(
+                    f"{path} holds {ds.NumberOfFrames} frames; expected one 2-D image "
+                    f"{shape} (multi-frame files are not supported: export volumes as slices)"
+                )
+            _check_size(path, *shape)
             return ds, shape, ds.pixel_array if pixels else None
+        except DataError:  # the header's own refusal, not "cannot read"
+            raise
         except errors as err:
             what = "pixel data" if pixels else "header"
             raise DataError(f"{path}: cannot read the DICOM {what} ({err})") from err
@@ -846,11 +861,15 @@ class DicomFolderDataset(_FolderDataset):
         if shape[2] == 3:
             if photometric != "RGB" and int(_pydicom().__version__.split(".")[0]) < 3:
                 raise DataError(f"{path}: {photometric} colour data needs pydicom>=3 (as RGB)")
-            scaled = stored.astype(np.float64) / (2**bits - 1)
+            scaled = stored.astype(np.float64)
+            scaled /= 2**bits - 1
         else:
             slope = float(ds.get("RescaleSlope", 1.0))
             intercept = float(ds.get("RescaleIntercept", 0.0))
-            values = stored.astype(np.float64) * slope + intercept
+            # one float64 copy, windowed in place (the same operations, in the same order)
+            values = stored.astype(np.float64)
+            values *= slope
+            values += intercept
             window = self.window
             if window == "file" and "WindowCenter" in ds and "WindowWidth" in ds:
                 window = (_first(ds.WindowCenter), _first(ds.WindowWidth))
@@ -859,15 +878,22 @@ class DicomFolderDataset(_FolderDataset):
                 if width < 1:
                     raise DataError(f"{path}: WindowWidth {width} is below 1")
                 # DICOM PS3.3 C.11.2.1.2.1 linear VOI; a width of 1 is a threshold at the center
-                scaled = (values - (center - 0.5)) / max(width - 1, 1e-6) + 0.5
+                values -= center - 0.5
+                values /= max(width - 1, 1e-6)
+                values += 0.5
+                scaled = values
             else:
                 low, high = 0, 2**bits - 1
                 if int(ds.get("PixelRepresentation", 0)) == 1:  # two's complement
                     low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
                 # the stored range, rescaled like the values
                 low, high = sorted((low * slope + intercept, high * slope + intercept))
-                scaled = (values - low) / (high - low)
-        image = np.round(np.clip(scaled, 0.0, 1.0) * 255.0).astype(np.uint8)
+                values -= low
+                values /= high - low
+                scaled = values
+        np.clip(scaled, 0.0, 1.0, out=scaled)
+        scaled *= 255.0
+        image = np.round(scaled, out=scaled).astype(np.uint8)
         return 255 - image if photometric == "MONOCHROME1" else image
 
 

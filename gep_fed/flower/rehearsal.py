@@ -35,7 +35,7 @@ def _latest_attempt(folder: Path) -> int:
     """The highest N of ``folder``'s ``attempt-N`` folders (0: none)."""
     if not folder.is_dir():
         return 0
-    numbers = [re.fullmatch(r"attempt-(\d+)", p.name) for p in folder.iterdir() if p.is_dir()]
+    numbers = [re.fullmatch(r"attempt-(\d+)", p.name) for p in folder.iterdir()]
     return max((int(m[1]) for m in numbers if m), default=0)
 
 
@@ -87,9 +87,10 @@ def rehearse(
     needed = fewest_examples(sites, partition)
     if min(examples.values()) < needed:
         raise ConfigError(
-            f"a rehearsal fold of {min(examples.values())} of the server's validation examples "
-            f"cannot be shared by {sites} sites ({partition}: at least {needed}): rehearse on "
-            "fewer folds, or give the server more validation data"
+            f"a rehearsal trains on {min(examples.values())} of the server's validation "
+            f"examples, too few to share by {sites} sites ({partition}: at least {needed}): "
+            "rehearse on more folds (each trains on more of them), or give the server more "
+            "validation data"
         )
     latest = _latest_attempt(out / FOLDER)
     folder = out / FOLDER / f"attempt-{latest + 1}"
