@@ -380,3 +380,19 @@ def test_a_stop_request_of_the_caller_reaches_the_rehearsals_simulation(tmp_path
     with pytest.raises(ConfigError, match="recorded"):
         flwr_app.run_search(config, grid=None, context=None)
     assert isinstance(passed["stop"], StopRequest)
+
+
+def test_tied_rehearsal_scores_choose_the_first_declared_and_say_so(tmp_path, monkeypatch):
+    from gep_fed.flower import search
+    from gep_fed.flower.simulation import SimulationResult
+
+    def tied(specs, on_trial, **options):
+        for spec in specs:
+            row = {"round": 1, "applied": True, "val_balanced_accuracy": 0.5}
+            on_trial(spec, SimulationResult(tmp_path, [row], None, 0.0))
+
+    monkeypatch.setattr(search, "simulate_search", tied)
+    config = TuneConfig(base(total_examples=400), CANDIDATES, rehearsal=Rehearsal())
+    lines = []
+    assert rehearse(config, tmp_path, 400, lines.append)["chosen"] == 1
+    assert "chooses candidate 1 (mean score 0.5000, tied with candidate(s) [2]" in lines[-1]

@@ -172,9 +172,11 @@ def rehearse(
             "chosen, and no site trained"
         )
     chosen = max(scored, key=lambda pair: (pair[0], -pair[1]))[1]  # the first of ties
+    tied = [i + 1 for s, i in scored if s == scores[chosen] and i != chosen]
+    ties = f", tied with candidate(s) {tied}: the first declared" if tied else ""
     say(
         f"tune: the rehearsal chooses candidate {chosen + 1} (mean score "
-        f"{scores[chosen]:.4f}); it alone runs at the sites, at the whole budget"
+        f"{scores[chosen]:.4f}{ties}); it alone runs at the sites, at the whole budget"
     )
     return {
         "label": LABEL,
