@@ -21,7 +21,7 @@ recipe. Runs per set and seed (client mode, epsilon 8 in total, delta 1e-5):
     tune        gep-fed tune over all candidates, one trial each, epsilon 8 in total
     rehearsed   gep-fed tune --rehearse: every candidate rehearsed on two folds of the
                 server's validation data (no site's data), the chosen one alone run at the
-                sites at epsilon 8
+                sites at epsilon 8 (rehearsed-5: on five folds)
 
 A run's figures are the test metrics of its best round on the server's validation data
 (the model the server keeps). The default for set S is the candidate with the best mean
@@ -215,7 +215,9 @@ def run_simulation(fed: FederationConfig) -> dict:
     return {**figures, "seconds": round(sim.seconds, 1), "failures": failures}
 
 
-def run_tune(set_name: str, seed: int, work: Path, rehearse: bool = False) -> dict:
+def run_tune(set_name: str, seed: int, work: Path, folds: int | None = None) -> dict:
+    """``gep-fed tune`` over the candidates: trials composed at the sites, or (``folds``) a
+    rehearsal on that many folds of the server's validation data and the chosen one alone."""
     from gep_fed.federation.tuning import Rehearsal, TuneConfig
     from gep_fed.flower.tuning import tune
 
@@ -226,13 +228,13 @@ def run_tune(set_name: str, seed: int, work: Path, rehearse: bool = False) -> di
             base,
             [dict(c) for c in CANDIDATES],
             out_dir=str(work / "tune"),
-            rehearsal=Rehearsal() if rehearse else None,
+            rehearsal=None if folds is None else Rehearsal(folds),
         ),
         simulate_options={"engine": "in-process"},
     )
     rehearsal = result.rehearsal or {}
     return {
-        **({"rehearsal_scores": rehearsal["scores"]} if rehearse else {}),
+        **({"rehearsal_scores": rehearsal["scores"]} if folds else {}),
         "chosen": None if result.chosen is None else result.chosen.candidate,
         "validation_score": None if result.chosen is None else result.chosen.validation_score,
         "test": dict(result.test_metrics),
@@ -257,8 +259,10 @@ def logged() -> dict[tuple, dict]:
 def run_one(set_name: str, seed: int, kind: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="dev-sets-") as tmp:
         work = Path(tmp)
-        if kind in ("tune", "rehearsed"):
-            return run_tune(set_name, seed, work, rehearse=kind == "rehearsed")
+        if kind == "tune":
+            return run_tune(set_name, seed, work)
+        if kind.startswith("rehearsed"):  # "rehearsed": 2 folds; "rehearsed-F": F folds
+            return run_tune(set_name, seed, work, int(kind.partition("-")[2] or 2))
         if kind == "recipe":
             return run_simulation(base_config(set_name, seed, str(work)))
         if kind == "recipe-ema":
@@ -273,6 +277,7 @@ KINDS = (
     "recipe",
     "recipe-ema",
     "rehearsed",
+    "rehearsed-5",
 )
 DEFAULT_KINDS = KINDS[: len(CANDIDATES) + 1]
 
@@ -374,6 +379,7 @@ def table(rows: dict) -> str:
             (f"default chosen on the other sets (candidate {default})", f"ref-{default}"),
             ("tune, epsilon 8 in total", "tune"),
             ("tune --rehearse, epsilon 8 in total", "rehearsed"),
+            ("tune --rehearse 5, epsilon 8 in total", "rehearsed-5"),
         ]
         entries = [(label, [rows.get((set_name, s, kind)) for s in seeds]) for label, kind in kinds]
         entries.append(
