@@ -64,9 +64,9 @@ def rehearse(
     request (``flwr stop``).
 
     Returns:
-        ``{"label", "folds", "sites_examples", "examples", "runs", "scores", "chosen"}``:
-        each run's score, each candidate's mean (None where a fold failed) and the chosen
-        candidate (1-based).
+        ``{"label", "folds", "sites", "sites_examples", "examples", "runs", "scores",
+        "chosen"}``: the sites emulated, each fold's training size, each run's score, each
+        candidate's mean (None where a fold failed) and the chosen candidate (1-based).
 
     Raises:
         ConfigError: a rehearsal cannot carry a candidate's noise, or no candidate scored.
@@ -149,11 +149,11 @@ def rehearse(
 
     try:
         search.simulate_search(specs, on_run, progress=progress, engine="in-process", stop=stop)
-    except RunInterrupted as stop:
-        number = getattr(stop, "trial", None) or specs[min(len(runs), len(specs) - 1)].number
+    except RunInterrupted as stopped:
+        number = getattr(stopped, "trial", None) or specs[min(len(runs), len(specs) - 1)].number
         candidate, fold = where[number]
         raise RehearsalInterrupted(
-            f"the rehearsal of candidate {candidate} on fold {fold}", stop.completed_round
+            f"the rehearsal of candidate {candidate} on fold {fold}", stopped.completed_round
         ) from None
     scores = []
     for index in range(len(config.candidates)):
